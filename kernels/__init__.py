@@ -1,0 +1,6 @@
+"""nano_spec kernels: one file per kernel, each holding the Triton kernel, its
+launcher and a plain-torch reference `<name>_ref` with the same signature.
+
+This package imports nothing from `nano_spec`; `nano_spec.ops` picks the
+references (torch backend) or the launchers (triton backend).
+"""

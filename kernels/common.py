@@ -1,0 +1,72 @@
+"""Small pieces shared by several references: RoPE and the Mamba2 time step.
+
+Shapes use the glossary of SPEC §1: T tokens, H Mamba heads, Dh head dim.
+"""
+import torch
+import torch.nn.functional as F
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float):
+    """cos, sin of shape (*positions.shape, Dh) in fp32 (rotate-half layout)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    freqs = positions.to(torch.float32)[..., None] * inv_freq  # (..., Dh/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (..., Dh)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope_ref(x: torch.Tensor, positions: torch.Tensor, theta: float | None) -> torch.Tensor:
+    """Rotate x (..., T, heads, Dh) by positions (..., T); identity when theta is None (NoPE)."""
+    if theta is None:
+        return x
+    cos, sin = rope_cos_sin(positions, x.shape[-1], theta)
+    cos, sin = cos[..., None, :], sin[..., None, :]  # broadcast over heads
+    xf = x.float()
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
+    return (xf * cos + rotated * sin).to(x.dtype)
+
+
+def mamba_dt_ref(dt: torch.Tensor, dt_bias: torch.Tensor, dt_limit: tuple[float, float]) -> torch.Tensor:
+    """dt = clamp(softplus(dt + dt_bias), *dt_limit) in fp32; dt (..., H)."""
+    return F.softplus(dt.float() + dt_bias.float()).clamp(min=dt_limit[0], max=dt_limit[1])
+
+
+def conv_silu_ref(window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """Causal depthwise conv1d + SiLU over a window of conv inputs.
+
+    window (..., C, W-1+L): the W-1 inputs before the first output, then the L new inputs.
+    weight (C, W), bias (C,) or None -> (..., L, C) in fp32.
+    """
+    W = weight.shape[-1]
+    taps = window.float().unfold(-1, W, 1)  # (..., C, L, W): taps[..., c, l, :] = inputs l .. l+W-1
+    out = (taps * weight.float()[:, None, :]).sum(-1)  # (..., C, L)
+    if bias is not None:
+        out = out + bias.float()[:, None]
+    return torch.nn.functional.silu(out).transpose(-1, -2)
+
+
+def ssm_step_ref(state, x, B, C, dt, A, D):
+    """One token of the Mamba2 recurrence, per head h of group g = h // (H/G):
+
+        S_h = exp(dt_h * A_h) * S_h + dt_h * (x_h outer B_g);   y_h = S_h @ C_g + D_h * x_h
+
+    state (..., H, P, N) fp32, x (..., H, P), B and C (..., G, N), dt (..., H) fp32, A and D (H,).
+    Returns (new state, y (..., H, P)), both fp32.
+    """
+    H, G = x.shape[-2], B.shape[-2]
+    Bh = B.float().repeat_interleave(H // G, dim=-2)  # (..., H, N)
+    Ch = C.float().repeat_interleave(H // G, dim=-2)
+    xf = x.float()
+    decay = torch.exp(dt * A)[..., None, None]  # (..., H, 1, 1)
+    state = decay * state + (dt[..., None] * xf)[..., None] * Bh[..., None, :]
+    y = (state * Ch[..., None, :]).sum(-1) + D.float()[:, None] * xf
+    return state, y
+
+
+def split_xbc(xbc: torch.Tensor, n_heads: int, head_dim: int, n_groups: int):
+    """(..., C) post-conv activations -> x (..., H, P), B (..., G, N), C (..., G, N)."""
+    d_in = n_heads * head_dim
+    N = (xbc.shape[-1] - d_in) // (2 * n_groups)
+    x, B, C = xbc.split([d_in, n_groups * N, n_groups * N], dim=-1)
+    lead = xbc.shape[:-1]
+    return x.reshape(*lead, n_heads, head_dim), B.reshape(*lead, n_groups, N), C.reshape(*lead, n_groups, N)
