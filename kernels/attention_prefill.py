@@ -3,10 +3,186 @@
     q (T, Hq, Dh), k, v (T, Hkv, Dh) at positions 0..T-1; query head i reads KV head i // (Hq/Hkv);
     scores = scale * q k^T (scale is the checkpoint's attention_multiplier), causal; RoPE on q and k
     when rope_theta is set (k is cached rotated).
+
+RoPE (rotate-half layout, as kernels.common.apply_rope_ref), for d < Dh/2 with f_d = theta^(-2d/Dh):
+
+    x'[d]        = x[d] cos(t f_d) - x[d + Dh/2] sin(t f_d)
+    x'[d + Dh/2] = x[d + Dh/2] cos(t f_d) + x[d] sin(t f_d)
+
+Flash attention (online softmax): a block of query rows walks the key blocks left to right keeping,
+per row, the running max m, the running denominator l and the unnormalised output acc:
+
+    m' = max(m, max_n s_n);   l' = l e^(m - m') + sum_n e^(s_n - m');   acc' = acc e^(m - m') + e^(s - m') V
+
+and o = acc / l at the end. Causality stops the walk at the block holding the row's own position.
+
+Two launches: `_rope_store_kernel` rotates k and writes k, v into the slot's rows 0..T-1; then
+`_prefill_attention_kernel` reads K/V back from the cache (so the attention sees exactly the cached,
+rounded values, as the reference does) and rotates q on load.
 """
 import torch
+import triton
+import triton.language as tl
 
 from kernels.common import apply_rope_ref
+
+
+@triton.jit
+def _rope_load(p_x, o_rows, m_rows, pos, p_inv_freq, o_d, DH: tl.constexpr, ROPE: tl.constexpr):
+    """Load a (R, DH_PAD) tile in fp32, row r at element offset o_rows[r] from p_x (its d = 0),
+    and rotate row r by position pos[r] when ROPE. Shared with attention_verify."""
+    m_d = o_d < DH
+    m_x = m_rows[:, None] & m_d[None, :]
+    b_x = tl.load(p_x + o_rows[:, None] + o_d[None, :], mask=m_x, other=0.0).to(tl.float32)
+    if ROPE:
+        HALF = DH // 2
+        # rotate-half partner of d and its sign: -x[d + Dh/2] for the first half, +x[d - Dh/2] for the second
+        o_partner = tl.where(o_d < HALF, o_d + HALF, o_d - HALF)
+        b_sign = tl.where(o_d < HALF, -1.0, 1.0)
+        b_xp = tl.load(p_x + o_rows[:, None] + o_partner[None, :], mask=m_x, other=0.0).to(tl.float32)
+        # the same fp32 inv_freq table as the reference, so only cos/sin rounding can differ
+        b_f = tl.load(p_inv_freq + (o_d % HALF), mask=m_d, other=0.0)  # (DH_PAD,)
+        b_ang = pos.to(tl.float32)[:, None] * b_f[None, :]  # (R, DH_PAD)
+        b_x = b_x * tl.cos(b_ang) + b_sign[None, :] * b_xp * tl.sin(b_ang)
+    return b_x
+
+
+@triton.jit
+def _rope_store_kernel(
+    p_k, p_v, p_kc, p_vc, p_inv_freq,
+    T, slot,
+    s_k_t, s_k_h, s_v_t, s_v_h,
+    s_kc_s, s_kc_t, s_kc_h, s_vc_s, s_vc_t, s_vc_h,
+    DH: tl.constexpr, DH_PAD: tl.constexpr, BLOCK_T: tl.constexpr, ROPE: tl.constexpr,
+):
+    """grid (cdiv(T, BLOCK_T), Hkv): k_cache[slot, t, h] = rope(k[t, h], t); v_cache[slot, t, h] = v[t, h]."""
+    i_t, i_h = tl.program_id(0), tl.program_id(1)
+    o_t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    o_d = tl.arange(0, DH_PAD)
+    m_t = o_t < T
+    m_x = m_t[:, None] & (o_d < DH)[None, :]
+    b_k = _rope_load(p_k + i_h * s_k_h, o_t * s_k_t, m_t, o_t, p_inv_freq, o_d, DH, ROPE)  # (BLOCK_T, DH_PAD)
+    b_v = tl.load(p_v + i_h * s_v_h + o_t[:, None] * s_v_t + o_d[None, :], mask=m_x, other=0.0)
+    p_kc_blk = p_kc + slot * s_kc_s + i_h * s_kc_h + o_t[:, None] * s_kc_t + o_d[None, :]
+    p_vc_blk = p_vc + slot * s_vc_s + i_h * s_vc_h + o_t[:, None] * s_vc_t + o_d[None, :]
+    tl.store(p_kc_blk, b_k.to(p_kc.dtype.element_ty), mask=m_x)
+    tl.store(p_vc_blk, b_v.to(p_vc.dtype.element_ty), mask=m_x)
+
+
+@triton.jit
+def _prefill_attention_kernel(
+    p_q, p_kc, p_vc, p_o, p_inv_freq,
+    T, slot, scale,
+    s_q_t, s_q_h, s_kc_s, s_kc_t, s_kc_h, s_vc_s, s_vc_t, s_vc_h, s_o_t, s_o_h,
+    REP: tl.constexpr, DH: tl.constexpr, DH_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROPE: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """grid (cdiv(T, BLOCK_M), Hq): one block of query rows of one head over the cached keys 0..row."""
+    i_m, i_hq = tl.program_id(0), tl.program_id(1)
+    i_hkv = i_hq // REP  # GQA: REP query heads share one KV head
+    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    o_n = tl.arange(0, BLOCK_N)
+    o_d = tl.arange(0, DH_PAD)
+    m_m = o_m < T
+    m_d = o_d < DH
+
+    # q is rotated in fp32 then rounded to its dtype, as the reference does before the matmul
+    b_q = _rope_load(p_q + i_hq * s_q_h, o_m * s_q_t, m_m, o_m, p_inv_freq, o_d, DH, ROPE)  # (BLOCK_M, DH_PAD)
+    b_q = b_q.to(p_q.dtype.element_ty)
+
+    p_k_head = p_kc + slot * s_kc_s + i_hkv * s_kc_h
+    p_v_head = p_vc + slot * s_vc_s + i_hkv * s_vc_h
+    b_m = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite start: a fully masked block gives alpha = 1, not NaN
+    b_l = tl.zeros([BLOCK_M], tl.float32)
+    b_acc = tl.zeros([BLOCK_M, DH_PAD], tl.float32)
+    # causal: keys beyond the last row of this query block are never visible
+    hi = tl.minimum((i_m + 1) * BLOCK_M, T)
+    for start_n in range(0, hi, BLOCK_N):
+        o_kn = start_n + o_n
+        m_kn = o_kn < T
+        m_kv = m_kn[:, None] & m_d[None, :]
+        b_k = tl.load(p_k_head + o_kn[:, None] * s_kc_t + o_d[None, :], mask=m_kv, other=0.0)  # (BLOCK_N, DH_PAD)
+        b_v = tl.load(p_v_head + o_kn[:, None] * s_vc_t + o_d[None, :], mask=m_kv, other=0.0)
+        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC) * scale  # (BLOCK_M, BLOCK_N)
+        m_s = (o_kn[None, :] <= o_m[:, None]) & m_kn[None, :]
+        b_s = tl.where(m_s, b_s, float("-inf"))
+        b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
+        b_alpha = tl.exp(b_m - b_m_new)
+        b_p = tl.exp(b_s - b_m_new[:, None])
+        b_l = b_l * b_alpha + tl.sum(b_p, 1)
+        b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision=DOT_PREC)
+        b_m = b_m_new
+
+    b_o = b_acc / b_l[:, None]
+    p_o_blk = p_o + o_m[:, None] * s_o_t + i_hq * s_o_h + o_d[None, :]
+    tl.store(p_o_blk, b_o.to(p_o.dtype.element_ty), mask=m_m[:, None] & m_d[None, :])
+
+
+def _pow2(n: int, lo: int = 16) -> int:
+    """Block extent >= n: a power of two, at least 16 (the smallest tl.dot operand side)."""
+    return max(lo, triton.next_power_of_2(n))
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs must not be rounded to tf32 (the tests compare to an fp32 reference at 1e-4)
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _inv_freq(head_dim: int, theta: float | None, device) -> torch.Tensor:
+    """RoPE inverse frequencies (Dh/2,) computed by the reference's own formula (dummy when NoPE)."""
+    if theta is None:
+        return torch.zeros(1, dtype=torch.float32, device=device)
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+
+
+def _check(cond: bool, msg: str):
+    if not cond:
+        raise ValueError(msg)
+
+
+def attention_prefill(q, k, v, k_cache, v_cache, slot: int, scale: float, rope_theta=None):
+    """Triton version of attention_prefill_ref (same signature, same cache writes, same output)."""
+    _check(q.dim() == 3 and k.dim() == 3 and v.dim() == 3, f"q, k, v must be (T, H, Dh), got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    T, Hq, Dh = q.shape
+    Hkv = k.shape[1]
+    _check(k.shape == (T, Hkv, Dh) and v.shape == (T, Hkv, Dh), f"k, v must be ({T}, Hkv, {Dh}), got {tuple(k.shape)}, {tuple(v.shape)}")
+    _check(Hkv > 0 and Hq % Hkv == 0, f"Hq={Hq} must be a multiple of Hkv={Hkv}")
+    _check(k_cache.dim() == 4 and k_cache.shape[2:] == (Hkv, Dh) and v_cache.shape == k_cache.shape,
+           f"k_cache, v_cache must be (S, L, {Hkv}, {Dh}), got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    S, L = k_cache.shape[:2]
+    _check(0 <= int(slot) < S, f"slot {slot} out of range [0, {S})")
+    _check(T <= L, f"prompt of {T} tokens does not fit a cache of {L} rows")
+    _check(k.dtype == v.dtype == q.dtype == k_cache.dtype == v_cache.dtype,
+           f"q, k, v, k_cache, v_cache must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    _check(q.dtype in (torch.float32, torch.float16, torch.bfloat16), f"unsupported dtype {q.dtype}")
+    _check(len({t.device for t in (q, k, v, k_cache, v_cache)}) == 1, "all tensors must be on one device")
+    for name, t in (("q", q), ("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
+        _check(t.stride(-1) == 1, f"{name} must have a unit stride in its last dim")
+    _check(rope_theta is None or Dh % 2 == 0, f"RoPE needs an even head dim, got {Dh}")
+    if T == 0:
+        return torch.empty_like(q)
+
+    rope = rope_theta is not None
+    inv_freq = _inv_freq(Dh, rope_theta, q.device)
+    DH_PAD = _pow2(Dh)
+    BLOCK_T = 32
+    _rope_store_kernel[(triton.cdiv(T, BLOCK_T), Hkv)](
+        k, v, k_cache, v_cache, inv_freq, T, int(slot),
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        DH=Dh, DH_PAD=DH_PAD, BLOCK_T=BLOCK_T, ROPE=rope,
+    )
+    o = torch.empty_like(q, memory_format=torch.contiguous_format)
+    BLOCK_M = 64 if q.is_cuda else 32
+    BLOCK_N = 64 if q.is_cuda else 32
+    _prefill_attention_kernel[(triton.cdiv(T, BLOCK_M), Hq)](
+        q, k_cache, v_cache, o, inv_freq, T, int(slot), float(scale),
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), o.stride(0), o.stride(1),
+        REP=Hq // Hkv, DH=Dh, DH_PAD=DH_PAD, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, ROPE=rope,
+        DOT_PREC=_dot_precision(q.dtype),
+    )
+    return o
 
 
 def attention_prefill_ref(q, k, v, k_cache, v_cache, slot: int, scale: float, rope_theta=None):

@@ -4,10 +4,208 @@ Row j of sequence b sits at position seq_lens[b] + j. The K new K/V rows are
 appended to the slot's cache (rotated by RoPE on the way in when enabled), then
 each query attends to cache positions 0 .. seq_lens[b] + j (the rows of the same
 step up to its own included). K = 1 is plain decode.
+
+The kernel splits the keys of row (b, j) in two parts:
+
+    old keys  n < seq_lens[b]          read from the cache, visible to every row of the step
+    new keys  seq_lens[b] + j', j' <= j  the K rows of this step, rotated in registers
+
+One program owns (sequence b, KV head h) and stacks the REP = Hq/Hkv query heads
+of that KV head times the K rows into one (REP*K, Dh) query tile, so each cache
+block is loaded once for all of them (decode is bandwidth bound: the cache read
+is the cost). The same program writes the new K/V rows to the cache and uses them
+from registers, so no program ever reads a row another one is writing.
+
+For long caches and few (b, h) pairs the old keys are split across SPLITS programs
+(flash decoding); each writes its partial (m, l, acc) of the online softmax and
+`_combine_kernel` merges them: o = sum_s e^(m_s - m) acc_s / sum_s e^(m_s - m) l_s.
+The number of splits depends only on shapes (L, B, Hkv), never on seq_lens values,
+so there is no host sync; programs past a sequence's length do no work.
 """
 import torch
+import triton
+import triton.language as tl
 
+from kernels.attention_prefill import _check, _dot_precision, _inv_freq, _pow2, _rope_load
 from kernels.common import apply_rope_ref
+
+
+@triton.jit
+def _verify_attention_kernel(
+    p_q, p_k, p_v, p_kc, p_vc, p_slot, p_len, p_o, p_mpart, p_lpart, p_opart, p_inv_freq,
+    L, CHUNK, scale,
+    s_q_b, s_q_k, s_q_h, s_k_b, s_k_k, s_k_h, s_v_b, s_v_k, s_v_h,
+    s_kc_s, s_kc_t, s_kc_h, s_vc_s, s_vc_t, s_vc_h, s_o_b, s_o_k, s_o_h,
+    K: tl.constexpr, HKV: tl.constexpr, REP: tl.constexpr, DH: tl.constexpr, DH_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, K_PAD: tl.constexpr,
+    SPLITS: tl.constexpr, ROPE: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """grid (B * Hkv, SPLITS)."""
+    i_bh, i_s = tl.program_id(0), tl.program_id(1)
+    i_b, i_hkv = i_bh // HKV, i_bh % HKV
+    slot = tl.load(p_slot + i_b).to(tl.int64)
+    seq_len = tl.load(p_len + i_b).to(tl.int32)
+
+    # query tile rows r = g * K + j: query head i_hkv * REP + g, step row j
+    o_r = tl.arange(0, BLOCK_M)
+    o_g, o_jq = o_r // K, o_r % K
+    m_r = o_r < REP * K
+    o_hq = i_hkv * REP + o_g
+    o_d = tl.arange(0, DH_PAD)
+    m_d = o_d < DH
+    o_q = i_b * s_q_b + o_jq * s_q_k + o_hq * s_q_h
+    b_q = _rope_load(p_q, o_q, m_r, seq_len + o_jq, p_inv_freq, o_d, DH, ROPE).to(p_q.dtype.element_ty)  # (BLOCK_M, DH_PAD)
+
+    b_m = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite start: an empty split stays NaN-free
+    b_l = tl.zeros([BLOCK_M], tl.float32)
+    b_acc = tl.zeros([BLOCK_M, DH_PAD], tl.float32)
+
+    # old keys of this split: cache rows [lo, hi), all visible to every query row
+    p_kc_head = p_kc + slot * s_kc_s + i_hkv * s_kc_h
+    p_vc_head = p_vc + slot * s_vc_s + i_hkv * s_vc_h
+    lo = i_s * CHUNK
+    hi = tl.minimum(lo + CHUNK, seq_len)
+    o_n = tl.arange(0, BLOCK_N)
+    for start_n in range(lo, hi, BLOCK_N):
+        o_kn = start_n + o_n
+        m_kn = o_kn < hi
+        m_kv = m_kn[:, None] & m_d[None, :]
+        b_k = tl.load(p_kc_head + o_kn[:, None] * s_kc_t + o_d[None, :], mask=m_kv, other=0.0)  # (BLOCK_N, DH_PAD)
+        b_v = tl.load(p_vc_head + o_kn[:, None] * s_vc_t + o_d[None, :], mask=m_kv, other=0.0)
+        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC) * scale  # (BLOCK_M, BLOCK_N)
+        b_s = tl.where(m_kn[None, :], b_s, float("-inf"))
+        b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
+        b_alpha = tl.exp(b_m - b_m_new)
+        b_p = tl.exp(b_s - b_m_new[:, None])
+        b_l = b_l * b_alpha + tl.sum(b_p, 1)
+        b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision=DOT_PREC)
+        b_m = b_m_new
+
+    # new keys: split 0 rotates the K new rows, appends them to the cache and attends to them causally
+    if i_s == 0:
+        o_j = tl.arange(0, K_PAD)
+        m_j = o_j < K
+        m_jd = m_j[:, None] & m_d[None, :]
+        o_pos = seq_len + o_j
+        b_kn = _rope_load(p_k + i_b * s_k_b + i_hkv * s_k_h, o_j * s_k_k, m_j, o_pos, p_inv_freq, o_d, DH, ROPE)
+        b_kn = b_kn.to(p_kc.dtype.element_ty)  # (K_PAD, DH_PAD), rounded as the cache stores it
+        b_vn = tl.load(p_v + i_b * s_v_b + i_hkv * s_v_h + o_j[:, None] * s_v_k + o_d[None, :], mask=m_jd, other=0.0)
+        b_vn = b_vn.to(p_vc.dtype.element_ty)
+        # rows past the cache end cannot be stored (the caller guarantees seq_lens + K <= L)
+        m_st = m_jd & (o_pos < L)[:, None]
+        tl.store(p_kc_head + o_pos[:, None] * s_kc_t + o_d[None, :], b_kn, mask=m_st)
+        tl.store(p_vc_head + o_pos[:, None] * s_vc_t + o_d[None, :], b_vn, mask=m_st)
+        b_s = tl.dot(b_q, tl.trans(b_kn), input_precision=DOT_PREC) * scale  # (BLOCK_M, K_PAD)
+        b_s = tl.where((o_j[None, :] <= o_jq[:, None]) & m_j[None, :], b_s, float("-inf"))
+        b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
+        b_alpha = tl.exp(b_m - b_m_new)
+        b_p = tl.exp(b_s - b_m_new[:, None])
+        b_l = b_l * b_alpha + tl.sum(b_p, 1)
+        b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_vn.dtype), b_vn, input_precision=DOT_PREC)
+        b_m = b_m_new
+
+    m_out = m_r[:, None] & m_d[None, :]
+    if SPLITS == 1:
+        b_o = b_acc / b_l[:, None]
+        p_o_blk = p_o + i_b * s_o_b + o_jq[:, None] * s_o_k + o_hq[:, None] * s_o_h + o_d[None, :]
+        tl.store(p_o_blk, b_o.to(p_o.dtype.element_ty), mask=m_out)
+    else:
+        # partials (B, K, Hq, SPLITS[, DH_PAD]) fp32, merged by _combine_kernel
+        o_part = ((i_b * K + o_jq) * (HKV * REP) + o_hq) * SPLITS + i_s  # (BLOCK_M,)
+        tl.store(p_mpart + o_part, b_m, mask=m_r)
+        tl.store(p_lpart + o_part, b_l, mask=m_r)
+        tl.store(p_opart + o_part[:, None] * DH_PAD + o_d[None, :], b_acc, mask=m_out)
+
+
+@triton.jit
+def _combine_kernel(
+    p_mpart, p_lpart, p_opart, p_o, s_o_b, s_o_k, s_o_h,
+    K: tl.constexpr, HQ: tl.constexpr, DH: tl.constexpr, DH_PAD: tl.constexpr,
+    SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    """grid (B * K * Hq,): merge the SPLITS partial softmaxes of one query row."""
+    i_row = tl.program_id(0)  # = (b * K + j) * Hq + h
+    i_b, i_j, i_h = i_row // (K * HQ), (i_row // HQ) % K, i_row % HQ
+    o_s = tl.arange(0, SPLITS_PAD)
+    o_d = tl.arange(0, DH_PAD)
+    m_s = o_s < SPLITS
+    b_m = tl.load(p_mpart + i_row * SPLITS + o_s, mask=m_s, other=-1.0e30)  # (SPLITS_PAD,)
+    b_l = tl.load(p_lpart + i_row * SPLITS + o_s, mask=m_s, other=0.0)
+    b_acc = tl.load(p_opart + (i_row * SPLITS + o_s)[:, None] * DH_PAD + o_d[None, :], mask=m_s[:, None], other=0.0)
+    b_w = tl.exp(b_m - tl.max(b_m, 0))  # empty splits carry m = -1e30, so their weight is 0
+    b_o = tl.sum(b_w[:, None] * b_acc, 0) / tl.sum(b_w * b_l, 0)  # (DH_PAD,)
+    tl.store(p_o + i_b * s_o_b + i_j * s_o_k + i_h * s_o_h + o_d, b_o.to(p_o.dtype.element_ty), mask=o_d < DH)
+
+
+def _num_splits(Bsz: int, Hkv: int, L: int, block_n: int, device) -> int:
+    """Enough programs to fill the device (about two per SM); at least 4 blocks of keys per split."""
+    n_sm = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
+    want = triton.cdiv(2 * n_sm, Bsz * Hkv)
+    return max(1, min(want, triton.cdiv(L, 4 * block_n)))
+
+
+def _attention_verify(q, k, v, k_cache, v_cache, slot_ids, seq_lens, scale, rope_theta=None, num_splits=None):
+    """attention_verify with the split count exposed (tests force the split and unsplit paths)."""
+    _check(q.dim() == 4 and k.dim() == 4 and v.dim() == 4,
+           f"q, k, v must be (B, K, H, Dh), got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    Bsz, K, Hq, Dh = q.shape
+    Hkv = k.shape[2]
+    _check(k.shape == (Bsz, K, Hkv, Dh) and v.shape == k.shape,
+           f"k, v must be ({Bsz}, {K}, Hkv, {Dh}), got {tuple(k.shape)}, {tuple(v.shape)}")
+    _check(Hkv > 0 and Hq % Hkv == 0, f"Hq={Hq} must be a multiple of Hkv={Hkv}")
+    _check(k_cache.dim() == 4 and k_cache.shape[2:] == (Hkv, Dh) and v_cache.shape == k_cache.shape,
+           f"k_cache, v_cache must be (S, L, {Hkv}, {Dh}), got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    L = k_cache.shape[1]
+    _check(slot_ids.shape == (Bsz,) and seq_lens.shape == (Bsz,),
+           f"slot_ids, seq_lens must be ({Bsz},), got {tuple(slot_ids.shape)}, {tuple(seq_lens.shape)}")
+    _check(not slot_ids.is_floating_point() and not seq_lens.is_floating_point(), "slot_ids, seq_lens must be integer tensors")
+    _check(k.dtype == v.dtype == q.dtype == k_cache.dtype == v_cache.dtype,
+           f"q, k, v, k_cache, v_cache must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    _check(q.dtype in (torch.float32, torch.float16, torch.bfloat16), f"unsupported dtype {q.dtype}")
+    _check(len({t.device for t in (q, k, v, k_cache, v_cache, slot_ids, seq_lens)}) == 1, "all tensors must be on one device")
+    for name, t in (("q", q), ("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
+        _check(t.stride(-1) == 1, f"{name} must have a unit stride in its last dim")
+    _check(rope_theta is None or Dh % 2 == 0, f"RoPE needs an even head dim, got {Dh}")
+    _check(K >= 1 and K <= L, f"K={K} rows must be in [1, L={L}]")
+    o = torch.empty((Bsz, K, Hq, Dh), dtype=q.dtype, device=q.device)
+    if Bsz == 0:
+        return o
+
+    BLOCK_N = 64 if q.is_cuda else 32
+    DH_PAD = _pow2(Dh)
+    splits = num_splits or _num_splits(Bsz, Hkv, L, BLOCK_N, q.device)
+    chunk = triton.cdiv(triton.cdiv(L, splits), BLOCK_N) * BLOCK_N  # whole key blocks per split
+    splits = triton.cdiv(L, chunk)
+    if splits > 1:
+        mpart = torch.empty((Bsz, K, Hq, splits), dtype=torch.float32, device=q.device)
+        lpart = torch.empty_like(mpart)
+        opart = torch.empty((Bsz, K, Hq, splits, DH_PAD), dtype=torch.float32, device=q.device)
+    else:
+        mpart = lpart = opart = o  # unused
+    inv_freq = _inv_freq(Dh, rope_theta, q.device)
+    _verify_attention_kernel[(Bsz * Hkv, splits)](
+        q, k, v, k_cache, v_cache, slot_ids, seq_lens, o, mpart, lpart, opart, inv_freq,
+        L, chunk, float(scale),
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        o.stride(0), o.stride(1), o.stride(2),
+        K=K, HKV=Hkv, REP=Hq // Hkv, DH=Dh, DH_PAD=DH_PAD,
+        BLOCK_M=_pow2((Hq // Hkv) * K), BLOCK_N=BLOCK_N, K_PAD=_pow2(K),
+        SPLITS=splits, ROPE=rope_theta is not None, DOT_PREC=_dot_precision(q.dtype),
+    )
+    if splits > 1:
+        _combine_kernel[(Bsz * K * Hq,)](
+            mpart, lpart, opart, o, o.stride(0), o.stride(1), o.stride(2),
+            K=K, HQ=Hq, DH=Dh, DH_PAD=DH_PAD, SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
+        )
+    return o
+
+
+def attention_verify(q, k, v, k_cache, v_cache, slot_ids, seq_lens, scale: float, rope_theta=None):
+    """Triton version of attention_verify_ref (same signature, same cache writes, same output).
+    The caller guarantees seq_lens[b] + K <= L (checked by the reference's indexing, not here: that
+    would need a host sync); new rows past L are not stored."""
+    return _attention_verify(q, k, v, k_cache, v_cache, slot_ids, seq_lens, scale, rope_theta)
 
 
 def attention_verify_ref(q, k, v, k_cache, v_cache, slot_ids, seq_lens, scale: float, rope_theta=None):
