@@ -8,8 +8,84 @@ after row na instead:
     conv_state[l, s] <- conv_stash[l, b, :, na+1 : na+W]     (C, W-1): the last W-1 inputs up to row na
 
 Full accepts (na = K-1) and inactive rows are left untouched.
+
+The Triton version is one launch, grid (L*B, tiles): program (l*B + b, t) copies
+tile t of the flat H*P*N state and tile t of the flat C*(W-1) window of layer l,
+sequence b. na and active are read on the device and fold into the masks, so a
+row that does not commit moves no bytes and the host never waits on the verdict.
 """
 import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _commit_state_kernel(p_ssm_state, p_conv_state, p_ssm_stash, p_conv_stash, p_slot, p_na, p_active,
+                         Bsz, S, K, HPN, C,
+                         Wm1: tl.constexpr, BLOCK: tl.constexpr):
+    i_lb, i_t = tl.program_id(0), tl.program_id(1)
+    i_l, i_b = i_lb // Bsz, i_lb % Bsz
+    i_s = tl.load(p_slot + i_b).to(tl.int64)
+    b_na = tl.load(p_na + i_b).to(tl.int32)
+    b_act = tl.load(p_active + i_b).to(tl.int32)
+    b_take = (b_act != 0) & (b_na < K - 1)
+    b_na = tl.minimum(tl.maximum(b_na, 0), K - 1)  # the reference indexes with na clamped to [0, K-1]
+    o = i_t * BLOCK + tl.arange(0, BLOCK)
+    # take as a vector compare (the interpreter mis-types block mask & scalar bool)
+    m_take = (o * 0 + b_take.to(tl.int32)) != 0
+
+    # ssm: (H*P*N,) contiguous row na of the stash -> live state of slot s
+    m = (o < HPN) & m_take
+    src = p_ssm_stash + ((i_l * Bsz + i_b).to(tl.int64) * K + b_na) * HPN
+    dst = p_ssm_state + (i_l.to(tl.int64) * S + i_s) * HPN
+    tl.store(dst + o, tl.load(src + o, mask=m), mask=m)
+
+    # conv: flat index o = c*(W-1) + w reads conv_stash[l, b, c, na + 1 + w]
+    m = (o < C * Wm1) & m_take
+    o_c, o_w = o // Wm1, o % Wm1
+    src = p_conv_stash + (i_l * Bsz + i_b).to(tl.int64) * C * (Wm1 + K)
+    dst = p_conv_state + (i_l.to(tl.int64) * S + i_s) * C * Wm1
+    tl.store(dst + o, tl.load(src + o_c * (Wm1 + K) + b_na + 1 + o_w, mask=m), mask=m)
+
+
+def _check(cond, msg):
+    if not cond:
+        raise ValueError(f"commit_state: {msg}")
+
+
+def commit_state(ssm_state, conv_state, ssm_stash, conv_stash, slot_ids, na, active):
+    """Triton version of commit_state_ref (same arguments, in place, no host sync).
+
+    All of ssm_state (L, S, H, P, N), conv_state (L, S, C, W-1), ssm_stash (L, B, K, H, P, N),
+    conv_stash (L, B, C, W-1+K), slot_ids, na (B,) integer and active (B,) bool must be contiguous
+    and on one device; ssm tensors share a dtype, conv tensors share a dtype.
+    """
+    _check(ssm_state.dim() == 5 and ssm_stash.dim() == 6, "ssm_state (L, S, H, P, N) and ssm_stash (L, B, K, H, P, N) expected")
+    L, S, H, P, N = ssm_state.shape
+    Lb, Bsz, K = ssm_stash.shape[:3]
+    _check(Lb == L and tuple(ssm_stash.shape[3:]) == (H, P, N),
+           f"ssm_stash {tuple(ssm_stash.shape)} does not match ssm_state {tuple(ssm_state.shape)}")
+    _check(conv_state.dim() == 4 and conv_state.shape[:2] == (L, S), f"conv_state must be (L={L}, S={S}, C, W-1), got {tuple(conv_state.shape)}")
+    C, Wm1 = conv_state.shape[2], conv_state.shape[3]
+    _check(Wm1 >= 1, "conv window W-1 must be >= 1")
+    _check(tuple(conv_stash.shape) == (L, Bsz, C, Wm1 + K), f"conv_stash must be {(L, Bsz, C, Wm1 + K)}, got {tuple(conv_stash.shape)}")
+    for name, t in (("slot_ids", slot_ids), ("na", na), ("active", active)):
+        _check(tuple(t.shape) == (Bsz,), f"{name} must be (B={Bsz},), got {tuple(t.shape)}")
+    _check(not slot_ids.is_floating_point() and slot_ids.dtype != torch.bool, "slot_ids must be integer")
+    _check(not na.is_floating_point() and na.dtype != torch.bool, "na must be integer")
+    _check(active.dtype == torch.bool, "active must be bool")
+    _check(ssm_state.dtype == ssm_stash.dtype and conv_state.dtype == conv_stash.dtype, "state and stash dtypes differ")
+    for name, t in (("ssm_state", ssm_state), ("conv_state", conv_state), ("ssm_stash", ssm_stash),
+                    ("conv_stash", conv_stash), ("slot_ids", slot_ids), ("na", na), ("active", active)):
+        _check(t.is_contiguous(), f"{name} must be contiguous")
+        _check(t.device == ssm_state.device, f"{name} is on {t.device}, ssm_state on {ssm_state.device}")
+    if L * Bsz == 0:
+        return
+    HPN = H * P * N
+    BLOCK = 1024
+    grid = (L * Bsz, triton.cdiv(max(HPN, C * Wm1), BLOCK))
+    _commit_state_kernel[grid](ssm_state, conv_state, ssm_stash, conv_stash, slot_ids, na, active.view(torch.uint8),
+                               Bsz, S, K, HPN, C, Wm1=Wm1, BLOCK=BLOCK, num_warps=4)
 
 
 def commit_state_ref(ssm_state, conv_state, ssm_stash, conv_stash, slot_ids, na, active):

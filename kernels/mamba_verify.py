@@ -7,12 +7,222 @@ Per sequence b (slot s = slot_ids[b]), rows j = 0..K-1:
   4. S = exp(dt_j A) S + dt_j x_j B_j^T -> ssm_stash[b, j];  y[b, j] = S C_j + D x_j
   5. live state: ssm_state[s] = S after row K-1, conv_state[s] = window[:, K:]
 K = 1 is the plain decode step.
+
+The Triton version is two launches:
+
+  _mamba_verify_kernel, grid (B, H, cdiv(P, BLOCK_P)): one program owns the
+    (BLOCK_P, N) tile of one head's state. It reads that tile once, keeps it in
+    registers for the K rows, and computes its own conv channels on the fly:
+    the BLOCK_P x channels of its head and the N + N B/C channels of its group
+    (B/C are shared by the H/G heads of a group, so every head block recomputes
+    them; that is a few hundred FLOPs per row, cheaper than another launch).
+    It writes y, the K stash rows, the live state tile, and conv_stash for the
+    channels it owns (x channels by their head block, B/C channels by the first
+    head block of the group), so every conv_stash channel is written once.
+  _conv_window_kernel, grid (B, cdiv(C, BLOCK_C)): conv_state[s] = conv_stash[b, :, K:].
+    conv_state is updated in place and the B/C channels of a group are read by
+    every head block of that group; no program of the first launch could know
+    that all the others have read the old window, so the update comes after it.
 """
 import torch
+import triton
+import triton.language as tl
 
 from kernels.common import conv_silu_ref, mamba_dt_ref, split_xbc, ssm_step_ref
 
 INF = float("inf")
+
+
+@triton.jit
+def _softplus(x):
+    # torch's softplus: x above the threshold 20, else log1p(exp(x)); log1p written
+    # the accurate way (u * log(w) / (w - 1)) because log(1 + u) loses tiny u.
+    u = tl.exp(tl.minimum(x, 20.0))
+    w = 1.0 + u
+    lp = tl.where(w == 1.0, u, tl.log(w) * u / (w - 1.0))
+    return tl.where(x > 20.0, x, lp)
+
+
+@triton.jit
+def _conv_silu_row(p_conv_state, p_xbc_b, stride_xk, o_c, m_c, w_c, bias_c, j,
+                   Wm1: tl.constexpr, BLOCK_W: tl.constexpr):
+    """silu(conv) of row j for the channels o_c: taps are window positions j .. j+W-1,
+    position i < W-1 from the slot's conv_state, i >= W-1 from xBC row i-(W-1)."""
+    o_w = tl.arange(0, BLOCK_W)
+    i = j + o_w  # (BLOCK_W,) window positions
+    m_w = o_w <= Wm1
+    m_old = m_c[:, None] & (m_w & (i < Wm1))[None, :]
+    m_new = m_c[:, None] & (m_w & (i >= Wm1))[None, :]
+    b_old = tl.load(p_conv_state + o_c[:, None] * Wm1 + i[None, :], mask=m_old, other=0.0)
+    # new inputs are rounded to the conv state's dtype first, like the window the reference builds
+    b_new = tl.load(p_xbc_b + (i[None, :] - Wm1) * stride_xk + o_c[:, None], mask=m_new, other=0.0)
+    b_new = b_new.to(p_conv_state.dtype.element_ty)
+    b_win = b_old.to(tl.float32) + b_new.to(tl.float32)  # (BLOCK_C, BLOCK_W), disjoint masks
+    b_out = tl.sum(b_win * w_c, axis=1) + bias_c
+    return b_out / (1.0 + tl.exp(-b_out))
+
+
+@triton.jit
+def _store_window(p_conv_state, p_xbc_b, stride_xk, p_stash_b, K, o_c, m_c,
+                  Wm1: tl.constexpr, BLOCK_L: tl.constexpr):
+    """conv_stash[b, o_c, :] = [conv_state[s, o_c] | xBC[b, :, o_c]]   (channels, W-1+K)."""
+    o_l = tl.arange(0, BLOCK_L)
+    m_old = m_c[:, None] & (o_l < Wm1)[None, :]
+    m_new = m_c[:, None] & ((o_l >= Wm1) & (o_l < Wm1 + K))[None, :]
+    b_old = tl.load(p_conv_state + o_c[:, None] * Wm1 + o_l[None, :], mask=m_old, other=0.0)
+    b_new = tl.load(p_xbc_b + (o_l[None, :] - Wm1) * stride_xk + o_c[:, None], mask=m_new, other=0.0)
+    ty = p_stash_b.dtype.element_ty
+    b_win = tl.where(m_old, b_old.to(ty), b_new.to(ty))
+    tl.store(p_stash_b + o_c[:, None] * (Wm1 + K) + o_l[None, :], b_win, mask=m_old | m_new)
+
+
+@triton.jit
+def _mamba_verify_kernel(
+    p_xbc, p_dt, p_conv_state, p_ssm_state, p_slot, p_conv_w, p_conv_b, p_dt_bias, p_A_log, p_D,
+    p_ssm_stash, p_conv_stash, p_y,
+    K, C, dt_lo, dt_hi,
+    stride_xb, stride_xk, stride_db, stride_dk,
+    H: tl.constexpr, P: tl.constexpr, N: tl.constexpr, G: tl.constexpr, W: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_W: tl.constexpr, BLOCK_L: tl.constexpr,
+):
+    i_b, i_h, i_p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_g = i_h // (H // G)
+    Wm1: tl.constexpr = W - 1
+    i_s = tl.load(p_slot + i_b).to(tl.int64)
+
+    o_p = i_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    o_n = tl.arange(0, BLOCK_N)
+    o_w = tl.arange(0, BLOCK_W)
+    m_p, m_n, m_w = o_p < P, o_n < N, o_w < W
+    # conv channels of this program: x of head i_h (rows o_p), B and C of group i_g
+    o_cx = i_h * P + o_p
+    o_cb = H * P + i_g * N + o_n
+    o_cc = H * P + G * N + i_g * N + o_n
+
+    # conv weights (channels, W) and biases, loaded once for the K rows
+    b_wx = tl.load(p_conv_w + o_cx[:, None] * W + o_w[None, :], mask=m_p[:, None] & m_w[None, :], other=0.0).to(tl.float32)
+    b_wb = tl.load(p_conv_w + o_cb[:, None] * W + o_w[None, :], mask=m_n[:, None] & m_w[None, :], other=0.0).to(tl.float32)
+    b_wc = tl.load(p_conv_w + o_cc[:, None] * W + o_w[None, :], mask=m_n[:, None] & m_w[None, :], other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        b_bx = tl.load(p_conv_b + o_cx, mask=m_p, other=0.0).to(tl.float32)
+        b_bb = tl.load(p_conv_b + o_cb, mask=m_n, other=0.0).to(tl.float32)
+        b_bc = tl.load(p_conv_b + o_cc, mask=m_n, other=0.0).to(tl.float32)
+    else:
+        b_bx = tl.zeros([BLOCK_P], dtype=tl.float32)
+        b_bb = tl.zeros([BLOCK_N], dtype=tl.float32)
+        b_bc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    b_A = -tl.exp(tl.load(p_A_log + i_h).to(tl.float32))
+    b_D = tl.load(p_D + i_h).to(tl.float32)
+    b_dt_bias = tl.load(p_dt_bias + i_h).to(tl.float32)
+
+    p_cs = p_conv_state + i_s * C * Wm1  # (C, W-1) window of slot s
+    p_xb = p_xbc + i_b * stride_xb  # (K, C) new conv inputs of sequence b
+    o_pn = o_p[:, None] * N + o_n[None, :]
+    m_pn = m_p[:, None] & m_n[None, :]
+    HPN = H * P * N
+    p_state = p_ssm_state + i_s * HPN + i_h * P * N + o_pn
+    b_s = tl.load(p_state, mask=m_pn, other=0.0)  # (BLOCK_P, BLOCK_N) fp32, read once
+
+    for j in range(K):
+        b_x = _conv_silu_row(p_cs, p_xb, stride_xk, o_cx, m_p, b_wx, b_bx, j, Wm1, BLOCK_W)
+        b_B = _conv_silu_row(p_cs, p_xb, stride_xk, o_cb, m_n, b_wb, b_bb, j, Wm1, BLOCK_W)
+        b_C = _conv_silu_row(p_cs, p_xb, stride_xk, o_cc, m_n, b_wc, b_bc, j, Wm1, BLOCK_W)
+        b_dt = _softplus(tl.load(p_dt + i_b * stride_db + j * stride_dk + i_h).to(tl.float32) + b_dt_bias)
+        b_dt = tl.minimum(tl.maximum(b_dt, dt_lo), dt_hi)
+        # S = exp(dt A) S + (dt x) B^T ;  y = S C + D x   (same operation order as ssm_step_ref)
+        b_s = tl.exp(b_dt * b_A) * b_s + (b_dt * b_x)[:, None] * b_B[None, :]
+        b_yj = tl.sum(b_s * b_C[None, :], axis=1) + b_D * b_x
+        tl.store(p_ssm_stash + (i_b * K + j).to(tl.int64) * HPN + i_h * P * N + o_pn, b_s, mask=m_pn)
+        tl.store(p_y + ((i_b * K + j) * H + i_h) * P + o_p, b_yj.to(p_y.dtype.element_ty), mask=m_p)
+    tl.store(p_state, b_s, mask=m_pn)
+
+    # conv_stash[b]: each channel written by exactly one program
+    p_stash_b = p_conv_stash + i_b.to(tl.int64) * C * (Wm1 + K)
+    _store_window(p_cs, p_xb, stride_xk, p_stash_b, K, o_cx, m_p, Wm1, BLOCK_L)
+    # B/C channels: only the first head block of the group (a vector compare, because the
+    # interpreter mis-types a block mask & a scalar bool)
+    m_own = m_n & ((o_n * 0 + (i_h % (H // G)) + i_p) == 0)
+    _store_window(p_cs, p_xb, stride_xk, p_stash_b, K, o_cb, m_own, Wm1, BLOCK_L)
+    _store_window(p_cs, p_xb, stride_xk, p_stash_b, K, o_cc, m_own, Wm1, BLOCK_L)
+
+
+@triton.jit
+def _conv_window_kernel(p_conv_stash, p_conv_state, p_slot, K, C,
+                        Wm1: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr):
+    # conv_state[s] (C, W-1) = conv_stash[b, :, K : K+W-1]  (the last W-1 inputs)
+    i_b, i_c = tl.program_id(0), tl.program_id(1)
+    i_s = tl.load(p_slot + i_b).to(tl.int64)
+    o_c = i_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    o_w = tl.arange(0, BLOCK_W)
+    m = (o_c < C)[:, None] & (o_w < Wm1)[None, :]
+    b_w = tl.load(p_conv_stash + i_b.to(tl.int64) * C * (Wm1 + K) + o_c[:, None] * (Wm1 + K) + K + o_w[None, :], mask=m)
+    tl.store(p_conv_state + i_s * C * Wm1 + o_c[:, None] * Wm1 + o_w[None, :], b_w, mask=m)
+
+
+def _check(cond, msg):
+    if not cond:
+        raise ValueError(f"mamba_verify: {msg}")
+
+
+def mamba_verify(xBC, dt, conv_state, ssm_state, slot_ids, conv_weight, conv_bias, dt_bias, A_log, D,
+                 ssm_stash, conv_stash, n_groups: int, dt_limit=(0.0, INF)):
+    """Triton version of mamba_verify_ref (same arguments, same in-place writes, returns y (B, K, H, P)).
+
+    Layout requirements: xBC (B, K, C) and dt (B, K, H) need unit stride on the last dim (any other
+    strides, e.g. views into the in_proj output); conv_state (S, C, W-1), ssm_state (S, H, P, N) fp32,
+    ssm_stash (B, K, H, P, N) fp32, conv_stash (B, C, W-1+K), conv_weight (C, W), parameters and
+    slot_ids (B,) integer must be contiguous. slot_ids must be distinct (not checked: no host sync).
+    """
+    _check(xBC.dim() == 3 and dt.dim() == 3, f"xBC (B, K, C) and dt (B, K, H) expected, got {tuple(xBC.shape)}, {tuple(dt.shape)}")
+    Bsz, K, C = xBC.shape
+    _check(ssm_state.dim() == 4, f"ssm_state must be (S, H, P, N), got {tuple(ssm_state.shape)}")
+    S, H, P, N = ssm_state.shape
+    G = n_groups
+    _check(G >= 1 and H % G == 0, f"H={H} not divisible by n_groups={G}")
+    _check(C == H * P + 2 * G * N, f"C={C} != H*P + 2*G*N = {H * P + 2 * G * N}")
+    _check(conv_weight.dim() == 2 and conv_weight.shape[0] == C, f"conv_weight must be (C={C}, W), got {tuple(conv_weight.shape)}")
+    W = conv_weight.shape[1]
+    _check(W >= 2, "conv width W must be >= 2")
+    _check(tuple(dt.shape) == (Bsz, K, H), f"dt must be {(Bsz, K, H)}, got {tuple(dt.shape)}")
+    _check(tuple(conv_state.shape) == (S, C, W - 1), f"conv_state must be {(S, C, W - 1)}, got {tuple(conv_state.shape)}")
+    _check(tuple(slot_ids.shape) == (Bsz,) and not slot_ids.is_floating_point() and slot_ids.dtype != torch.bool,
+           f"slot_ids must be an integer (B={Bsz},) tensor")
+    _check(conv_bias is None or tuple(conv_bias.shape) == (C,), "conv_bias must be (C,) or None")
+    for name, t in (("dt_bias", dt_bias), ("A_log", A_log), ("D", D)):
+        _check(tuple(t.shape) == (H,), f"{name} must be (H={H},), got {tuple(t.shape)}")
+    _check(tuple(ssm_stash.shape) == (Bsz, K, H, P, N), f"ssm_stash must be {(Bsz, K, H, P, N)}, got {tuple(ssm_stash.shape)}")
+    _check(tuple(conv_stash.shape) == (Bsz, C, W - 1 + K), f"conv_stash must be {(Bsz, C, W - 1 + K)}, got {tuple(conv_stash.shape)}")
+    _check(ssm_state.dtype == torch.float32 and ssm_stash.dtype == torch.float32, "ssm_state and ssm_stash must be fp32")
+    _check(conv_stash.dtype == conv_state.dtype, "conv_stash must have conv_state's dtype")
+    _check(xBC.stride(-1) == 1 and dt.stride(-1) == 1, "xBC and dt need unit stride on the last dim")
+    for name, t in (("conv_state", conv_state), ("ssm_state", ssm_state), ("ssm_stash", ssm_stash),
+                    ("conv_stash", conv_stash), ("conv_weight", conv_weight), ("conv_bias", conv_bias),
+                    ("dt_bias", dt_bias), ("A_log", A_log), ("D", D), ("slot_ids", slot_ids)):
+        _check(t is None or t.is_contiguous(), f"{name} must be contiguous")
+        _check(t is None or t.device == xBC.device, f"{name} is on {t.device}, xBC on {xBC.device}")
+    _check(dt.device == xBC.device, "dt must be on xBC's device")
+
+    y = torch.empty(Bsz, K, H, P, device=xBC.device, dtype=xBC.dtype)
+    if Bsz == 0 or K == 0:
+        return y
+    BLOCK_P = min(triton.next_power_of_2(P), 16)
+    BLOCK_N = triton.next_power_of_2(N)
+    grid = (Bsz, H, triton.cdiv(P, BLOCK_P))
+    _mamba_verify_kernel[grid](
+        xBC, dt, conv_state, ssm_state, slot_ids, conv_weight, conv_bias if conv_bias is not None else conv_weight,
+        dt_bias, A_log, D, ssm_stash, conv_stash, y,
+        K, C, float(dt_limit[0]), float(dt_limit[1]),
+        xBC.stride(0), xBC.stride(1), dt.stride(0), dt.stride(1),
+        H=H, P=P, N=N, G=G, W=W, HAS_BIAS=conv_bias is not None, BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N,
+        BLOCK_W=triton.next_power_of_2(W), BLOCK_L=triton.next_power_of_2(W - 1 + K),
+        num_warps=4,
+    )
+    BLOCK_C = 256
+    _conv_window_kernel[(Bsz, triton.cdiv(C, BLOCK_C))](
+        conv_stash, conv_state, slot_ids, K, C, Wm1=W - 1, BLOCK_C=BLOCK_C, BLOCK_W=triton.next_power_of_2(W - 1),
+    )
+    return y
 
 
 def mamba_verify_ref(xBC, dt, conv_state, ssm_state, slot_ids, conv_weight, conv_bias, dt_bias, A_log, D,
