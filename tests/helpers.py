@@ -18,3 +18,29 @@ def assert_close(name: str, ref: torch.Tensor, out: torch.Tensor, atol: float = 
 def assert_unchanged(name: str, before: torch.Tensor, after: torch.Tensor):
     """Bit-for-bit equality (tolerance 0) for slots, rows and layers a kernel must not touch."""
     assert torch.equal(before, after), f"{name}: {int((before != after).sum())} elements changed"
+
+
+def tiny_config(**overrides):
+    """A small hybrid config with awkward sizes (P, N not powers of two) and an MTP head."""
+    from nano_spec.config import ModelConfig
+
+    d = dict(vocab_size=67, hidden_size=48, num_attention_heads=4, num_key_value_heads=2,
+             shared_intermediate_size=40, layer_types=["mamba", "attention", "mamba", "mamba"],
+             mamba_n_heads=4, mamba_n_groups=2, mamba_d_state=10, mamba_d_conv=4, mamba_expand=1,
+             embedding_multiplier=1.7, attention_multiplier=0.3, residual_multiplier=0.6, logits_scaling=1.9,
+             rms_norm_eps=1e-5, num_nextn_predict_layers=1, eos_token_id=0, max_position_embeddings=256)
+    d.update(overrides)
+    return ModelConfig.from_dict(d)
+
+
+def tiny_model(seed: int = 0, backend: str = "torch", **overrides):
+    from nano_spec.model import HybridLM
+    from nano_spec.ops import Ops
+
+    model = HybridLM(tiny_config(**overrides), Ops(backend)).init_weights(std=0.2, seed=seed)
+    with torch.no_grad():  # non-trivial norm weights and skip, so a wrong weight shows
+        gen = torch.Generator().manual_seed(seed + 1)
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".D"):
+                p.add_(0.3 * torch.randn(p.shape, generator=gen))
+    return model.eval()

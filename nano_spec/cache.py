@@ -1,0 +1,88 @@
+"""Slots and stashes (SPEC §3), as stacked tensors.
+
+A slot s holds one live sequence. All Mamba layers share one tensor per kind of
+state, so one launch can commit every layer of every sequence:
+
+    k, v           (La, S, Lmax, Hkv, Dh)   attention KV, La attention layers
+    mtp_k, mtp_v   (S, Lmax, Hkv, Dh)       the MTP head's own KV (when it has one)
+    conv_state     (Lm, S, C, W-1)          last W-1 conv inputs of each Mamba layer
+    ssm_state      (Lm, S, H, P, N) fp32    the recurrent state
+
+The stashes are written by a verify over B sequences x K rows:
+
+    ssm_stash      (Lm, B, K, H, P, N) fp32 state after each row
+    conv_stash     (Lm, B, C, W-1+K)        the window before the step, then the K new inputs
+    hidden_stash   (B, K, D)                final-normed hidden of each row (seeds the MTP)
+
+They live in flat buffers sized for (max_batch, max_k) and are viewed at the
+step's (B, K), so every view is contiguous.
+"""
+import torch
+
+from nano_spec.config import ModelConfig
+
+
+def cache_bytes(cfg: ModelConfig, num_slots: int, max_seq_len: int, max_batch: int, max_k: int,
+                dtype: torch.dtype) -> dict:
+    """Bytes of every buffer, computed before anything is allocated."""
+    e, f32 = torch.tensor([], dtype=dtype).element_size(), 4
+    La, Lm = len(cfg.attention_layers), len(cfg.mamba_layers)
+    H, P, N, C, W = cfg.mamba_n_heads, cfg.mamba_d_head, cfg.mamba_d_state, cfg.conv_dim, cfg.mamba_d_conv
+    kv_row = cfg.num_key_value_heads * cfg.head_dim
+    return {
+        "kv": 2 * La * num_slots * max_seq_len * kv_row * e,
+        "mtp_kv": 2 * num_slots * max_seq_len * kv_row * e if cfg.has_mtp else 0,
+        "conv_state": Lm * num_slots * C * (W - 1) * e,
+        "ssm_state": Lm * num_slots * H * P * N * f32,
+        "ssm_stash": Lm * max_batch * max_k * H * P * N * f32,
+        "conv_stash": Lm * max_batch * C * (W - 1 + max_k) * e,
+        "hidden_stash": max_batch * max_k * cfg.hidden_size * e,
+    }
+
+
+class HybridCache:
+    def __init__(self, cfg: ModelConfig, num_slots: int, max_seq_len: int, max_k: int,
+                 device="cpu", dtype=torch.float32):
+        self.cfg, self.num_slots, self.max_seq_len, self.max_k = cfg, num_slots, max_seq_len, max_k
+        La, Lm = len(cfg.attention_layers), len(cfg.mamba_layers)
+        H, P, N, C, W = cfg.mamba_n_heads, cfg.mamba_d_head, cfg.mamba_d_state, cfg.conv_dim, cfg.mamba_d_conv
+        Hkv, Dh = cfg.num_key_value_heads, cfg.head_dim
+        S = B = num_slots  # a verify batch holds at most one row per slot
+        kw = dict(device=device, dtype=dtype)
+        self.k = torch.zeros(La, S, max_seq_len, Hkv, Dh, **kw)
+        self.v = torch.zeros_like(self.k)
+        self.mtp_k = torch.zeros(S, max_seq_len, Hkv, Dh, **kw) if cfg.has_mtp else None
+        self.mtp_v = torch.zeros_like(self.mtp_k) if cfg.has_mtp else None
+        self.conv_state = torch.zeros(Lm, S, C, W - 1, **kw)
+        self.ssm_state = torch.zeros(Lm, S, H, P, N, device=device, dtype=torch.float32)
+        self._ssm_stash = torch.zeros(Lm * B * max_k * H * P * N, device=device, dtype=torch.float32)
+        self._conv_stash = torch.zeros(Lm * B * C * (W - 1 + max_k), **kw)
+        self._hidden_stash = torch.zeros(B * max_k * cfg.hidden_size, **kw)
+        # layer index -> index into the stacked attention / Mamba tensors
+        self.attn_index = {l: i for i, l in enumerate(cfg.attention_layers)}
+        self.mamba_index = {l: i for i, l in enumerate(cfg.mamba_layers)}
+
+    # ---- stash views at the step's shape ---------------------------------------------
+    def ssm_stash(self, B: int, K: int):  # (Lm, B, K, H, P, N)
+        s = self.ssm_state.shape
+        return self._view(self._ssm_stash, (s[0], B, K, *s[2:]), B, K)
+
+    def conv_stash(self, B: int, K: int):  # (Lm, B, C, W-1+K)
+        s = self.conv_state.shape
+        return self._view(self._conv_stash, (s[0], B, s[2], s[3] + K), B, K)
+
+    def hidden_stash(self, B: int, K: int):  # (B, K, D)
+        return self._view(self._hidden_stash, (B, K, self.cfg.hidden_size), B, K)
+
+    def _view(self, flat, shape, B, K):
+        if not (1 <= K <= self.max_k and 1 <= B <= self.num_slots):
+            raise ValueError(f"a verify of B={B} x K={K} exceeds the cache ({self.num_slots} slots, max_k={self.max_k})")
+        return flat[: torch.Size(shape).numel()].view(shape)
+
+    def reset_slot(self, slot: int):
+        """A slot handed to a new request starts from zero recurrent state.
+
+        KV rows need no reset: attention reads only rows < seq_len + j, all written by the new occupant.
+        """
+        self.conv_state[:, slot].zero_()
+        self.ssm_state[:, slot].zero_()

@@ -1,0 +1,250 @@
+"""The model configuration, read from a checkpoint's config.json.
+
+Field names are those of transformers' GraniteMoeHybridConfig, so a config.json
+written for that architecture (dense: num_local_experts = 0) loads unchanged and
+ours loads there. Paper symbols of SPEC §1 in the comments.
+"""
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+MAMBA_NAMES = ("mamba", "linear_attention")
+ATTENTION_NAMES = ("attention", "full_attention")
+
+# Sizes beyond these are refused before anything is allocated.
+LIMITS = {
+    "vocab_size": 4_000_000,
+    "hidden_size": 65_536,
+    "num_hidden_layers": 1_024,
+    "num_attention_heads": 1_024,
+    "num_key_value_heads": 1_024,
+    "shared_intermediate_size": 262_144,
+    "mamba_n_heads": 4_096,
+    "mamba_d_head": 4_096,
+    "mamba_n_groups": 1_024,
+    "mamba_d_state": 4_096,
+    "mamba_d_conv": 64,
+    "mamba_expand": 16,
+    "mamba_chunk_size": 65_536,
+    "max_position_embeddings": 10_000_000,
+}
+REQUIRED = ("vocab_size", "hidden_size", "num_attention_heads", "shared_intermediate_size")
+
+
+class ConfigError(ValueError):
+    """A config.json that nano_spec cannot build a model from; the message names the field."""
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int                      # V
+    hidden_size: int                     # D
+    num_attention_heads: int             # Hq
+    shared_intermediate_size: int        # MLP width
+    layer_types: list = field(default_factory=list)  # per layer: "mamba" or "attention"
+    num_key_value_heads: int = 0         # Hkv (0: = Hq)
+    attention_bias: bool = False
+    mamba_n_heads: int = 128             # H
+    mamba_d_head: int = 0                # P (0 or "auto": mamba_expand * D / H)
+    mamba_n_groups: int = 1              # G
+    mamba_d_state: int = 256             # N
+    mamba_d_conv: int = 4                # W
+    mamba_expand: int = 2                # d_in = mamba_expand * D = H * P
+    mamba_chunk_size: int = 256          # SSD chunk length for long prefills
+    mamba_conv_bias: bool = True
+    mamba_proj_bias: bool = False
+    embedding_multiplier: float = 1.0
+    attention_multiplier: float = 1.0    # attention score scale (replaces 1/sqrt(Dh))
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0          # logits are divided by this
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    position_embedding_type: str = "nope"  # "nope" or "rope"
+    rope_theta: float = 10_000.0
+    time_step_limit: tuple = (0.0, math.inf)  # clamp of dt after softplus
+    max_position_embeddings: int = 4096
+    bos_token_id: int | None = None
+    eos_token_id: int | list | None = None
+    pad_token_id: int | None = None
+    num_nextn_predict_layers: int = 0    # 1: the checkpoint has an MTP draft head
+
+    # ---- derived sizes -------------------------------------------------------------
+    @property
+    def num_hidden_layers(self) -> int:
+        return len(self.layer_types)
+
+    @property
+    def d_inner(self) -> int:  # d_in = H * P
+        return self.mamba_n_heads * self.mamba_d_head
+
+    @property
+    def conv_dim(self) -> int:  # C = d_in + 2 G N
+        return self.d_inner + 2 * self.mamba_n_groups * self.mamba_d_state
+
+    @property
+    def head_dim(self) -> int:  # Dh
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def mamba_layers(self) -> list:
+        return [i for i, t in enumerate(self.layer_types) if t == "mamba"]
+
+    @property
+    def attention_layers(self) -> list:
+        return [i for i, t in enumerate(self.layer_types) if t == "attention"]
+
+    @property
+    def has_mtp(self) -> bool:
+        return self.num_nextn_predict_layers > 0
+
+    @property
+    def rope(self) -> float | None:
+        """rope_theta when RoPE is on, None for NoPE."""
+        return self.rope_theta if self.position_embedding_type == "rope" else None
+
+    @property
+    def eos_ids(self) -> tuple:
+        e = self.eos_token_id
+        return () if e is None else tuple(e) if isinstance(e, (list, tuple)) else (e,)
+
+    # ---- reading and writing -----------------------------------------------------
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        if not isinstance(d, dict):
+            raise ConfigError("config.json must hold a JSON object")
+        d = _decode_floats(d)
+        missing = [k for k in REQUIRED if k not in d]
+        if missing:
+            raise ConfigError(f"config.json: missing field(s) {', '.join(missing)}")
+        if d.get("num_local_experts", 0) not in (0, None):
+            raise ConfigError(f"num_local_experts: {d['num_local_experts']} experts; nano_spec supports only the "
+                              "dense GraniteMoeHybrid (num_local_experts = 0)")
+        kw = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
+        kw["layer_types"] = _layer_types(d)
+        if kw.get("mamba_d_head", "auto") == "auto":
+            kw.pop("mamba_d_head", None)
+        pos = d.get("position_embedding_type") or "nope"
+        kw["position_embedding_type"] = pos
+        rope = d.get("rope_parameters") or {}
+        if "rope_theta" in rope:
+            kw["rope_theta"] = rope["rope_theta"]
+        if d.get("time_step_limit") is not None:
+            kw["time_step_limit"] = tuple(float(x) for x in d["time_step_limit"])
+        else:
+            kw["time_step_limit"] = (0.0, math.inf)
+        cfg = cls(**kw)
+        cfg._validate()
+        return cfg
+
+    @classmethod
+    def from_file(cls, path) -> "ModelConfig":
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"{path}: no config.json")
+        try:
+            d = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        return cls.from_dict(d)
+
+    def to_dict(self) -> dict:
+        """A config.json that both nano_spec and transformers' GraniteMoeHybrid read."""
+        d = asdict(self)
+        d["layer_types"] = ["linear_attention" if t == "mamba" else "full_attention" for t in self.layer_types]
+        d["time_step_limit"] = [_encode_float(x) for x in self.time_step_limit]
+        if self.rope is not None:
+            d["rope_parameters"] = {"rope_type": "default", "rope_theta": self.rope_theta}
+        else:
+            d["position_embedding_type"] = None
+        d.update(architectures=["GraniteMoeHybridForCausalLM"], model_type="granitemoehybrid",
+                 num_hidden_layers=self.num_hidden_layers, num_local_experts=0, hidden_act="silu")
+        return d
+
+    def _validate(self):
+        for name, cap in LIMITS.items():
+            v = self.num_hidden_layers if name == "num_hidden_layers" else getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0 or v > cap:
+                raise ConfigError(f"{name}: {v!r} is not an integer in [0, {cap}]")
+        if self.num_key_value_heads == 0:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.mamba_d_head == 0 and self.mamba_n_heads > 0:
+            self.mamba_d_head = self.mamba_expand * self.hidden_size // self.mamba_n_heads
+        for name in ("vocab_size", "hidden_size", "num_attention_heads", "shared_intermediate_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}: must be positive, got {getattr(self, name)}")
+        if self.num_hidden_layers < 1:
+            raise ConfigError("layer_types: the model needs at least one layer")
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError(f"num_attention_heads: {self.num_attention_heads} does not divide "
+                              f"hidden_size {self.hidden_size}")
+        if self.num_attention_heads % max(self.num_key_value_heads, 1) or self.num_key_value_heads < 1:
+            raise ConfigError(f"num_key_value_heads: {self.num_key_value_heads} does not divide "
+                              f"num_attention_heads {self.num_attention_heads}")
+        if self.mamba_layers:
+            for name in ("mamba_n_heads", "mamba_d_state", "mamba_d_conv", "mamba_n_groups", "mamba_expand"):
+                if getattr(self, name) < 1:
+                    raise ConfigError(f"{name}: must be positive, got {getattr(self, name)}")
+            if self.mamba_d_head * self.mamba_n_heads != self.mamba_expand * self.hidden_size:
+                raise ConfigError(f"mamba_d_head: {self.mamba_n_heads} heads x {self.mamba_d_head} != "
+                                  f"mamba_expand * hidden_size = {self.mamba_expand * self.hidden_size}")
+            if self.mamba_n_heads % self.mamba_n_groups:
+                raise ConfigError(f"mamba_n_groups: {self.mamba_n_groups} does not divide "
+                                  f"mamba_n_heads {self.mamba_n_heads}")
+        if self.position_embedding_type not in ("nope", "rope"):
+            raise ConfigError(f"position_embedding_type: {self.position_embedding_type!r} is not 'nope' or 'rope'")
+        if self.rope is not None and self.head_dim % 2:
+            raise ConfigError(f"num_attention_heads: RoPE needs an even head dim, got {self.head_dim}")
+        if self.num_nextn_predict_layers not in (0, 1):
+            raise ConfigError(f"num_nextn_predict_layers: {self.num_nextn_predict_layers}; nano_spec's MTP head "
+                              "has one layer (0 or 1)")
+        lo, hi = self.time_step_limit
+        if not (0 <= lo <= hi):
+            raise ConfigError(f"time_step_limit: {self.time_step_limit} is not 0 <= lo <= hi")
+        for name in ("embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling",
+                     "rms_norm_eps", "rope_theta"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ConfigError(f"{name}: {v!r} is not a finite number")
+        if self.logits_scaling == 0 or self.rms_norm_eps <= 0:
+            raise ConfigError("logits_scaling must be non-zero and rms_norm_eps positive")
+        for e in self.eos_ids:
+            if not (isinstance(e, int) and 0 <= e < self.vocab_size):
+                raise ConfigError(f"eos_token_id: {e!r} is not a token id below vocab_size {self.vocab_size}")
+
+
+def _layer_types(d: dict) -> list:
+    types = d.get("layer_types") or d.get("layers_block_type")
+    n = d.get("num_hidden_layers")
+    if types is None:
+        raise ConfigError("layer_types: missing (a list of 'mamba'/'linear_attention' and "
+                          "'attention'/'full_attention', one per layer)")
+    if not isinstance(types, list):
+        raise ConfigError(f"layer_types: expected a list, got {type(types).__name__}")
+    out = []
+    for i, t in enumerate(types):
+        if t in MAMBA_NAMES:
+            out.append("mamba")
+        elif t in ATTENTION_NAMES:
+            out.append("attention")
+        else:
+            raise ConfigError(f"layer_types[{i}]: unknown layer type {t!r} (expected one of "
+                              f"{MAMBA_NAMES + ATTENTION_NAMES})")
+    if n is not None and n != len(out):
+        raise ConfigError(f"num_hidden_layers: {n} but layer_types lists {len(out)} layers")
+    return out
+
+
+def _decode_floats(obj):
+    """transformers may write inf/nan as {"__float__": "Infinity"}."""
+    if isinstance(obj, dict):
+        if set(obj) == {"__float__"}:
+            return float(obj["__float__"])
+        return {k: _decode_floats(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_decode_floats(v) for v in obj]
+    return obj
+
+
+def _encode_float(x: float):
+    return x if math.isfinite(x) else {"__float__": "Infinity" if x > 0 else "-Infinity"}

@@ -1,0 +1,320 @@
+"""The hybrid Mamba2/attention language model and its MTP draft head (SPEC §2).
+
+Layout, weight names and math are those of transformers' GraniteMoeHybrid with
+a dense MLP, so checkpoints travel both ways. Every op with a kernel goes
+through `self.ops` (torch references or Triton kernels, see ops.py).
+
+Shapes (SPEC §1):
+    B  sequences in a batch          T  tokens of one prompt       K  verify rows (drafts + 1)
+    D  hidden size                   V  vocabulary
+    H, P, N, G  Mamba heads, head dim, state size, groups;  d_in = H*P;  C = d_in + 2*G*N
+    W  conv width                    Hq, Hkv, Dh  attention query heads, KV heads, head dim
+    S  cache slots                   R  rows of an MTP call
+
+One token through a layer:
+    y, h = RMSNorm_in(h)                         (fused with the previous residual add)
+    h   += residual_multiplier * Mixer(y)        Mixer = Mamba2 or attention
+    y    = RMSNorm_post(h)
+    h   += residual_multiplier * MLP(y)
+and after the last layer logits = lm_head(RMSNorm_final(h)) / logits_scaling.
+
+Entry points:
+    forward(ids)                 no cache, the reference: (B, T) -> logits (B, T, V)
+    prefill(ids, slot, cache)    one prompt into a cache slot -> final-normed hidden (T, D)
+    verify(ids, ...)             B slots x K rows, writes the stashes -> logits (B, K, V)
+    mtp_prefill / mtp_step       the draft head over catch-up rows or single draft rows
+"""
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from kernels.common import apply_rope_ref
+from nano_spec.cache import HybridCache
+from nano_spec.config import ModelConfig
+from nano_spec.ops import Ops
+
+
+class Norm(nn.Module):
+    """Holds an RMSNorm weight; the math is ops.rmsnorm / ops.gated_rmsnorm."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_linear = nn.Linear(cfg.hidden_size, 2 * cfg.shared_intermediate_size, bias=False)
+        self.output_linear = nn.Linear(cfg.shared_intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        gate, up = self.input_linear(x).chunk(2, dim=-1)  # gate is the first half
+        return self.output_linear(F.silu(gate) * up)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        D, Dh, bias = cfg.hidden_size, cfg.head_dim, cfg.attention_bias
+        self.q_proj = nn.Linear(D, cfg.num_attention_heads * Dh, bias=bias)
+        self.k_proj = nn.Linear(D, cfg.num_key_value_heads * Dh, bias=bias)
+        self.v_proj = nn.Linear(D, cfg.num_key_value_heads * Dh, bias=bias)
+        self.o_proj = nn.Linear(cfg.num_attention_heads * Dh, D, bias=bias)
+        self.Dh = Dh
+
+    def qkv(self, x):
+        """(..., D) -> q (..., Hq, Dh), k and v (..., Hkv, Dh)."""
+        lead = x.shape[:-1]
+        return (self.q_proj(x).view(*lead, -1, self.Dh), self.k_proj(x).view(*lead, -1, self.Dh),
+                self.v_proj(x).view(*lead, -1, self.Dh))
+
+
+class Mamba(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        D, H, C = cfg.hidden_size, cfg.mamba_n_heads, cfg.conv_dim
+        self.in_proj = nn.Linear(D, cfg.d_inner + C + H, bias=cfg.mamba_proj_bias)  # -> [z | xBC | dt]
+        self.conv1d = nn.Conv1d(C, C, cfg.mamba_d_conv, groups=C, bias=cfg.mamba_conv_bias)  # weight (C, 1, W)
+        self.dt_bias = nn.Parameter(torch.ones(H))
+        self.A_log = nn.Parameter(torch.log(torch.arange(1, H + 1, dtype=torch.float32)))  # A = -exp(A_log)
+        self.D = nn.Parameter(torch.ones(H))  # skip connection
+        self.norm = Norm(cfg.d_inner)
+        self.out_proj = nn.Linear(cfg.d_inner, D, bias=cfg.mamba_proj_bias)
+        self.sizes = (cfg.d_inner, C, H)
+
+    def split(self, u):
+        """(..., D) -> z (..., d_in), xBC (..., C), dt (..., H)."""
+        return self.in_proj(u).split(self.sizes, dim=-1)
+
+    def scan_args(self):
+        """The per-layer weights mamba_scan / mamba_verify take, in their order."""
+        return self.conv1d.weight[:, 0], self.conv1d.bias, self.dt_bias, self.A_log, self.D
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.input_layernorm = Norm(cfg.hidden_size)
+        self.post_attention_layernorm = Norm(cfg.hidden_size)
+        self.shared_mlp = MLP(cfg)
+        if kind == "mamba":
+            self.mamba = Mamba(cfg)
+        else:
+            self.self_attn = Attention(cfg)
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, t) for t in cfg.layer_types)
+        self.norm = Norm(cfg.hidden_size)
+
+
+class MTPHead(nn.Module):
+    """DeepSeek-V3 style: m_p = eh_proj([enorm(embed(x_{p+1})) | hnorm(h_p)]), o_p = layer(m_p)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        D = cfg.hidden_size
+        self.enorm, self.hnorm, self.norm = Norm(D), Norm(D), Norm(D)
+        self.eh_proj = nn.Linear(2 * D, D, bias=False)
+        self.layer = DecoderLayer(cfg, "attention")
+
+
+class HybridLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, ops: Ops | None = None):
+        super().__init__()
+        self.cfg = cfg
+        self.ops = ops or Ops("torch")
+        self.model = Backbone(cfg)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.mtp = MTPHead(cfg) if cfg.has_mtp else None
+
+    # ---- pieces shared by every entry point ----------------------------------------------
+    def embed(self, ids):
+        return self.model.embed_tokens(ids) * self.cfg.embedding_multiplier
+
+    def logits(self, y):
+        """Final-normed hidden (..., D) -> logits (..., V)."""
+        w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(y, w) / self.cfg.logits_scaling
+
+    def _stack(self, h, layers, final_norm: Norm, mix):
+        """Run decoder layers over the residual stream h (..., D); mix(i, layer, y) is the mixer.
+
+        Each RMSNorm is fused with the residual add before it. Returns (final-normed y, residual h).
+        """
+        eps, rm = self.cfg.rms_norm_eps, self.cfg.residual_multiplier
+        y, h = self.ops.rmsnorm(h, layers[0].input_layernorm.weight, eps)
+        for i, layer in enumerate(layers):
+            out = mix(i, layer, y)
+            y, h = self.ops.rmsnorm(out, layer.post_attention_layernorm.weight, eps, residual=h, multiplier=rm)
+            nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else final_norm
+            y, h = self.ops.rmsnorm(layer.shared_mlp(y), nxt.weight, eps, residual=h, multiplier=rm)
+        return y, h
+
+    def _mamba_out(self, m: Mamba, y, z):
+        """y (..., H, P) from the scan, z (..., d_in) -> out_proj(norm(y * silu(z)))."""
+        cfg = self.cfg
+        u = self.ops.gated_rmsnorm(y.reshape(z.shape), z, m.norm.weight, cfg.d_inner // cfg.mamba_n_groups,
+                                   cfg.rms_norm_eps)
+        return m.out_proj(u)
+
+    def _scan(self, m: Mamba, xBC, dt):
+        """One prompt from zero state: xBC (T, C), dt (T, H) -> (y (T, H, P), ssm (H, P, N), window (C, W-1))."""
+        cfg = self.cfg
+        return self.ops.mamba_scan(xBC, dt, *m.scan_args(), cfg.mamba_n_groups, cfg.mamba_d_head,
+                                   cfg.time_step_limit)
+
+    # ---- 1. the no-cache reference -----------------------------------------------------
+    def forward(self, ids):
+        """ids (B, T) -> logits (B, T, V)."""
+        return self.logits(self.hidden(ids))
+
+    def hidden(self, ids):
+        """ids (B, T) -> final-normed hidden (B, T, D), no cache (also the training forward)."""
+        B, T = ids.shape
+        pos = torch.arange(T, device=ids.device)
+
+        def mix(i, layer, y):  # y (B, T, D)
+            if layer.kind == "mamba":
+                z, xBC, dt = layer.mamba.split(y)
+                ys = torch.stack([self._scan(layer.mamba, xBC[b], dt[b])[0] for b in range(B)])  # (B, T, H, P)
+                return self._mamba_out(layer.mamba, ys, z)
+            return self._attend_nocache(layer.self_attn, y, pos)
+
+        return self._stack(self.embed(ids), self.model.layers, self.model.norm, mix)[0]
+
+    def _attend_nocache(self, attn: Attention, y, pos):
+        """Causal attention over y (B, T, D) with torch's SDPA: an oracle independent of the kernels."""
+        q, k, v = attn.qkv(y)  # (B, T, Hq|Hkv, Dh)
+        q, k = apply_rope_ref(q, pos, self.cfg.rope), apply_rope_ref(k, pos, self.cfg.rope)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                           scale=self.cfg.attention_multiplier,
+                                           enable_gqa=q.shape[2] != k.shape[2])  # (B, Hq, T, Dh)
+        return attn.o_proj(o.transpose(1, 2).flatten(2))
+
+    # ---- 2. prefill of one prompt into a slot ------------------------------------------------
+    def prefill(self, ids, slot: int, cache: HybridCache):
+        """ids (T,) from zero state into cache slot `slot` -> final-normed hidden (T, D)."""
+        cfg = self.cfg
+
+        def mix(i, layer, y):  # y (T, D)
+            if layer.kind == "mamba":
+                m = cache.mamba_index[i]
+                z, xBC, dt = layer.mamba.split(y)
+                ys, ssm, window = self._scan(layer.mamba, xBC, dt)
+                cache.ssm_state[m, slot] = ssm
+                cache.conv_state[m, slot] = window
+                return self._mamba_out(layer.mamba, ys, z)
+            a = cache.attn_index[i]
+            q, k, v = layer.self_attn.qkv(y)
+            o = self.ops.attention_prefill(q, k, v, cache.k[a], cache.v[a], slot, cfg.attention_multiplier, cfg.rope)
+            return layer.self_attn.o_proj(o.flatten(-2))
+
+        return self._stack(self.embed(ids), self.model.layers, self.model.norm, mix)[0]
+
+    # ---- 3. verify: B slots x K rows -----------------------------------------------------------
+    def verify(self, ids, slot_ids, seq_lens, cache: HybridCache, kv_len: int | None = None):
+        """ids (B, K) at positions seq_lens[b] + j of slots slot_ids (B,) -> logits (B, K, V).
+
+        Advances every Mamba layer's live state through all K rows and writes ssm_stash, conv_stash
+        and hidden_stash (SPEC §3). kv_len, if given, bounds the KV rows read (>= max(seq_lens) + K).
+        """
+        cfg = self.cfg
+        B, K = ids.shape
+        ssm_stash, conv_stash = cache.ssm_stash(B, K), cache.conv_stash(B, K)
+        kv = slice(None, kv_len)
+
+        def mix(i, layer, y):  # y (B, K, D)
+            if layer.kind == "mamba":
+                m = cache.mamba_index[i]
+                z, xBC, dt = layer.mamba.split(y)
+                ys = self.ops.mamba_verify(xBC, dt, cache.conv_state[m], cache.ssm_state[m], slot_ids,
+                                           *layer.mamba.scan_args(), ssm_stash[m], conv_stash[m],
+                                           cfg.mamba_n_groups, cfg.time_step_limit)  # (B, K, H, P)
+                return self._mamba_out(layer.mamba, ys, z)
+            a = cache.attn_index[i]
+            q, k, v = layer.self_attn.qkv(y)
+            o = self.ops.attention_verify(q, k, v, cache.k[a, :, kv], cache.v[a, :, kv], slot_ids, seq_lens,
+                                          cfg.attention_multiplier, cfg.rope)
+            return layer.self_attn.o_proj(o.flatten(-2))
+
+        y = self._stack(self.embed(ids), self.model.layers, self.model.norm, mix)[0]
+        cache.hidden_stash(B, K).copy_(y)
+        return self.logits(y)
+
+    # ---- 4. the MTP draft head -----------------------------------------------------------------
+    def _mtp_input(self, next_ids, h):
+        """m = eh_proj([enorm(embed(x_{p+1})) | hnorm(h_p)]) for next_ids (...), h (..., D)."""
+        eps, mtp = self.cfg.rms_norm_eps, self.mtp
+        e = self.ops.rmsnorm(self.model.embed_tokens(next_ids), mtp.enorm.weight, eps)[0]
+        hn = self.ops.rmsnorm(h, mtp.hnorm.weight, eps)[0]
+        return mtp.eh_proj(torch.cat([e, hn], dim=-1))
+
+    def mtp_logits(self, o):
+        """MTP layer output o (..., D) (before its norm) -> draft logits (..., V)."""
+        return self.logits(self.ops.rmsnorm(o, self.mtp.norm.weight, self.cfg.rms_norm_eps)[0])
+
+    def mtp_hidden(self, next_ids, h):
+        """No-cache reference over positions 0..T-1: next_ids (B, T), h (B, T, D) -> o (B, T, D)."""
+        pos = torch.arange(next_ids.shape[1], device=next_ids.device)
+        mix = lambda i, layer, y: self._attend_nocache(layer.self_attn, y, pos)  # noqa: E731
+        return self._stack(self._mtp_input(next_ids, h), [self.mtp.layer], self.mtp.norm, mix)[1]
+
+    def mtp_prefill(self, next_ids, h, slot: int, cache: HybridCache):
+        """Catch-up over a prompt's rows 0..T-1: next_ids (T,), h (T, D) -> o (T, D); writes MTP KV 0..T-1."""
+        cfg = self.cfg
+
+        def mix(i, layer, y):
+            q, k, v = layer.self_attn.qkv(y)
+            o = self.ops.attention_prefill(q, k, v, cache.mtp_k, cache.mtp_v, slot, cfg.attention_multiplier,
+                                           cfg.rope)
+            return layer.self_attn.o_proj(o.flatten(-2))
+
+        return self._stack(self._mtp_input(next_ids, h), [self.mtp.layer], self.mtp.norm, mix)[1]
+
+    def mtp_step(self, next_ids, h, slot_ids, positions, cache: HybridCache, kv_len: int | None = None):
+        """R rows per sequence at MTP positions positions[b] + r: next_ids (B, R), h (B, R, D) -> o (B, R, D).
+
+        Catch-up after a verify (R = K) and each recursive draft step (R = 1).
+        """
+        cfg = self.cfg
+        kv = slice(None, kv_len)
+
+        def mix(i, layer, y):
+            q, k, v = layer.self_attn.qkv(y)
+            o = self.ops.attention_verify(q, k, v, cache.mtp_k[:, kv], cache.mtp_v[:, kv], slot_ids, positions,
+                                          cfg.attention_multiplier, cfg.rope)
+            return layer.self_attn.o_proj(o.flatten(-2))
+
+        return self._stack(self._mtp_input(next_ids, h), [self.mtp.layer], self.mtp.norm, mix)[1]
+
+    # ---- initialisation for models trained from scratch ----------------------------------------
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02, seed: int | None = None):
+        """Random weights: normal linears/embeddings, unit norms, Mamba2's A, D and dt initialisation."""
+        g = torch.Generator().manual_seed(seed) if seed is not None else None
+        for name, p in self.named_parameters():
+            leaf = name.rsplit(".", 1)[-1]
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif leaf == "A_log":
+                p.copy_(torch.log(torch.empty(p.shape).uniform_(1, 16, generator=g)))
+            elif leaf == "D":
+                p.fill_(1.0)
+            elif leaf == "dt_bias":  # dt ~ log-uniform(1e-3, 1e-1), stored as softplus^-1(dt)
+                dt = torch.exp(torch.empty(p.shape).uniform_(math.log(1e-3), math.log(1e-1), generator=g))
+                p.copy_(dt + torch.log(-torch.expm1(-dt)))
+            elif leaf == "bias":
+                p.zero_()
+            elif "conv1d" in name:
+                p.copy_(torch.empty(p.shape).uniform_(-1, 1, generator=g) / math.sqrt(p.shape[-1]))
+            else:
+                p.copy_(torch.empty(p.shape).normal_(0, std, generator=g))
+        return self

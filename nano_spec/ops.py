@@ -1,0 +1,43 @@
+"""The backend switch: every op the model runs, as a torch reference or a Triton kernel.
+
+Each file in `kernels/` defines `<name>_ref` (plain torch) and `<name>` (the
+Triton launcher) with the same signature. `Ops("torch")` binds the references,
+`Ops("triton")` the launchers; `"auto"` is triton on CUDA and torch elsewhere.
+"""
+import importlib
+
+import torch
+
+OP_NAMES = (
+    "rmsnorm", "gated_rmsnorm", "mamba_scan", "mamba_verify", "commit_state",
+    "attention_prefill", "attention_verify", "gather_rows", "verdict_greedy", "verdict_sample",
+)
+BACKENDS = ("auto", "torch", "triton")
+
+
+def resolve_backend(backend: str, device: torch.device | str) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: {backend!r} is not one of {BACKENDS}")
+    if backend == "auto":
+        return "triton" if torch.device(device).type == "cuda" else "torch"
+    return backend
+
+
+class Ops:
+    """A namespace of the ops of one backend: ops.rmsnorm(...), ops.mamba_verify(...), ..."""
+
+    def __init__(self, backend: str = "torch"):
+        if backend not in ("torch", "triton"):
+            raise ValueError(f"backend: {backend!r} must be 'torch' or 'triton' (resolve 'auto' first)")
+        if backend == "triton":
+            try:
+                import triton  # noqa: F401
+            except ImportError:
+                raise ValueError("backend: 'triton' needs the triton package (Linux only); use backend='torch'") from None
+        self.backend = backend
+        for name in OP_NAMES:
+            module = importlib.import_module(f"kernels.{name}")
+            setattr(self, name, getattr(module, name if backend == "triton" else f"{name}_ref"))
+
+    def __repr__(self):
+        return f"Ops({self.backend!r})"
