@@ -4,8 +4,133 @@ For logits (B, K, V): picks[b, j] = argmax (the first maximal index on ties),
 logprobs[b, j] = log_softmax(logits[b, j])[picks[b, j]] = max - logsumexp, and
 na[b] = the number of leading drafts equal to the pick of their row, clamped to
 num_drafts[b] (the valid drafts; the rest of the (B, K-1) drafts are padding).
+
+One read of the logits: each row is cut into SPLITS chunks of whole BLOCK_V tiles
+and `_row_stats_kernel` walks one chunk keeping an online max, its first index and
+the sum of exponentials rescaled to the running max,
+
+    m' = max(m, max x);   s' = s e^(m - m') + sum e^(x - m')      (logsumexp = m + log s)
+
+(the argmax moves only on a strictly larger block max, so ties keep the first index).
+`_verdict_kernel` (one program per sequence) merges the SPLITS partials of its K rows
+the same way (on equal maxima the smaller index wins) and counts the leading drafts
+that match. Splitting V gives a batch of one sequence enough programs to use the
+whole device when V is 100k+; the split count depends on shapes only.
 """
 import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _row_stats_kernel(
+    p_logits, p_pm, p_pa, p_ps, V, CHUNK, s_l_b, s_l_k,
+    K: tl.constexpr, SPLITS: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """grid (B * K, SPLITS): partial (max, first argmax, sum e^(x - max)) of one chunk of one row."""
+    i_row, i_s = tl.program_id(0), tl.program_id(1)
+    i_b, i_j = i_row // K, i_row % K
+    p_row = p_logits + i_b.to(tl.int64) * s_l_b + i_j * s_l_k
+    lo = i_s * CHUNK
+    hi = tl.minimum(lo + CHUNK, V)
+    o_v = tl.arange(0, BLOCK_V)
+    b_max = float("-inf")
+    b_arg = lo
+    b_sum = 0.0
+    for start in range(lo, hi, BLOCK_V):
+        o_x = start + o_v
+        b_x = tl.load(p_row + o_x, mask=o_x < hi, other=float("-inf")).to(tl.float32)  # (BLOCK_V,)
+        b_bmax = tl.max(b_x, 0)
+        b_barg = tl.min(tl.where(b_x == b_bmax, o_x, V), 0)  # first maximal index of the block
+        b_arg = tl.where(b_bmax > b_max, b_barg, b_arg)
+        b_new = tl.maximum(b_max, b_bmax)
+        b_safe = tl.where(b_new == float("-inf"), 0.0, b_new)  # rows of -inf (masked vocab) stay NaN-free
+        b_sum = b_sum * tl.exp(b_max - b_safe) + tl.sum(tl.exp(b_x - b_safe), 0)
+        b_max = b_new
+    tl.store(p_pm + i_row * SPLITS + i_s, b_max)
+    tl.store(p_pa + i_row * SPLITS + i_s, b_arg)
+    tl.store(p_ps + i_row * SPLITS + i_s, b_sum)
+
+
+@triton.jit
+def _verdict_kernel(
+    p_pm, p_pa, p_ps, p_drafts, p_nd, p_picks, p_na, p_lp, V, s_d_b, s_d_k,
+    K: tl.constexpr, SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    """grid (B,): merge the partials of the K rows of sequence b; picks, logprobs and na."""
+    i_b = tl.program_id(0)
+    nd = tl.load(p_nd + i_b)
+    o_s = tl.arange(0, SPLITS_PAD)
+    m_s = o_s < SPLITS
+    b_alive = nd >= 0  # True: every draft so far matched
+    b_na = nd * 0
+    for j in tl.static_range(K):
+        o_p = (i_b * K + j) * SPLITS + o_s
+        b_m = tl.load(p_pm + o_p, mask=m_s, other=float("-inf"))  # (SPLITS_PAD,)
+        b_a = tl.load(p_pa + o_p, mask=m_s, other=V)
+        b_s = tl.load(p_ps + o_p, mask=m_s, other=0.0)
+        b_max = tl.max(b_m, 0)
+        b_pick = tl.min(tl.where(b_m == b_max, b_a, V), 0)  # splits are in V order: smallest index wins a tie
+        b_safe = tl.where(b_max == float("-inf"), 0.0, b_max)
+        b_lse = b_safe + tl.log(tl.sum(b_s * tl.exp(b_m - b_safe), 0))
+        tl.store(p_picks + i_b * K + j, b_pick.to(tl.int64))
+        tl.store(p_lp + i_b * K + j, b_max - b_lse)
+        if j < K - 1:
+            b_d = tl.load(p_drafts + i_b * s_d_b + j * s_d_k)
+            b_alive = b_alive & (b_d == b_pick) & (j < nd)
+            b_na += b_alive.to(nd.dtype)
+    tl.store(p_na + i_b, b_na.to(tl.int64))
+
+
+def _verdict_greedy(logits, drafts, num_drafts, block_v=None, num_splits=None):
+    """verdict_greedy with the tile and split sizes exposed (tests force several of each)."""
+    if logits.dim() != 3:
+        raise ValueError(f"logits must be (B, K, V), got {tuple(logits.shape)}")
+    Bsz, K, V = logits.shape
+    if K < 1 or V < 1:
+        raise ValueError(f"logits needs K >= 1 and V >= 1, got {tuple(logits.shape)}")
+    if not logits.is_floating_point():
+        raise ValueError(f"logits must be floating point, got {logits.dtype}")
+    if logits.stride(-1) != 1:
+        raise ValueError("logits must have a unit stride in its last dim")
+    if drafts.shape != (Bsz, K - 1) or drafts.is_floating_point():
+        raise ValueError(f"drafts must be an integer tensor ({Bsz}, {K - 1}), got {drafts.dtype} {tuple(drafts.shape)}")
+    if num_drafts.shape != (Bsz,) or num_drafts.is_floating_point():
+        raise ValueError(f"num_drafts must be an integer tensor ({Bsz},), got {num_drafts.dtype} {tuple(num_drafts.shape)}")
+    if not (logits.device == drafts.device == num_drafts.device):
+        raise ValueError("logits, drafts, num_drafts must be on one device")
+    dev = logits.device
+    picks = torch.empty((Bsz, K), dtype=torch.int64, device=dev)
+    na = torch.empty((Bsz,), dtype=torch.int64, device=dev)
+    logprobs = torch.empty((Bsz, K), dtype=torch.float32, device=dev)
+    if Bsz == 0:
+        return picks, na, logprobs
+
+    BLOCK_V = block_v or min(2048 if logits.is_cuda else 1024, triton.next_power_of_2(V))
+    if num_splits is None:
+        n_sm = torch.cuda.get_device_properties(dev).multi_processor_count if logits.is_cuda else 2
+        num_splits = max(1, min(triton.cdiv(2 * n_sm, Bsz * K), triton.cdiv(V, 4 * BLOCK_V)))
+    chunk = triton.cdiv(triton.cdiv(V, num_splits), BLOCK_V) * BLOCK_V
+    splits = triton.cdiv(V, chunk)
+    pm = torch.empty((Bsz * K, splits), dtype=torch.float32, device=dev)
+    pa = torch.empty((Bsz * K, splits), dtype=torch.int32, device=dev)
+    ps = torch.empty((Bsz * K, splits), dtype=torch.float32, device=dev)
+    _row_stats_kernel[(Bsz * K, splits)](
+        logits, pm, pa, ps, V, chunk, logits.stride(0), logits.stride(1),
+        K=K, SPLITS=splits, BLOCK_V=BLOCK_V,
+    )
+    d = drafts if K > 1 else picks  # never read when K = 1
+    _verdict_kernel[(Bsz,)](
+        pm, pa, ps, d, num_drafts, picks, na, logprobs, V, d.stride(0), d.stride(1) if K > 1 else 0,
+        K=K, SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
+    )
+    return picks, na, logprobs
+
+
+def verdict_greedy(logits, drafts, num_drafts):
+    """Triton version of verdict_greedy_ref (same signature and outputs). NaN logits are not
+    handled (torch.argmax would pick them)."""
+    return _verdict_greedy(logits, drafts, num_drafts)
 
 
 def verdict_greedy_ref(logits, drafts, num_drafts):
