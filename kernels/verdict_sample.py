@@ -6,8 +6,146 @@ the logits of row j) and the draft probabilities q_j the drafts were sampled fro
   - na = the number of leading accepts;
   - the emitted token v ~ normalize(max(0, p_na - q_na)) after a rejection, or
     v ~ p_nd after a full accept, drawn by inverse CDF with u[K-1].
+
+Kernel split: top-k / top-p need a sort over V, so the launcher builds the filtered
+target probabilities p (B, K, V) with `sampling_probs_ref` in torch (the same code the
+draft side uses, so p is bit-identical to the reference's). `_verdict_sample_kernel`
+(one program per sequence) then does the rest with scalar loads and tiled passes over V:
+
+  0. the acceptance tests: K-1 scalar loads of p and q at the drafts give na;
+  1. (after a rejection) whether the residual r = max(0, p_na - q_na) has any mass;
+  2. the total of the chosen weights w (r or p_na) as a running prefix sum;
+  3. the inverse-CDF draw: token = #{v : cdf[v] <= u[K-1] * cdf[V-1]}, counted block by block.
+
+Exactness. The acceptance tests read the same fp32 values as the reference and do the
+same single multiply, so na is bit-exact; "residual sum > 0" does not depend on summation
+order (all terms are >= 0). Only the cumulative sums are rounded differently (torch's
+sequential scan vs per-block tree scans here), by a few ulp of the total, so the token can
+differ only when u * total falls within that distance of one of the V cdf values: a
+probability ~1e-6 per draw for fp32, i.e. never for fixed test uniforms away from the cdf
+steps. The total is the last element of the kernel's own scan (not a separate sum), so
+the search and the threshold are consistent and a draw never runs past the last token
+with mass except where the reference would too.
 """
 import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _verdict_sample_kernel(
+    p_p, p_q, p_drafts, p_nd, p_u, p_na, p_tok, V,
+    s_q_b, s_q_k, s_d_b, s_d_k, s_u_b, s_u_k,
+    K: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """grid (B,). p (B, K, V) fp32 contiguous; q (B, K-1, V); drafts (B, K-1); uniforms (B, K)."""
+    i_b = tl.program_id(0)
+    nd = tl.load(p_nd + i_b)
+    p_prow = p_p + i_b.to(tl.int64) * K * V  # p[b, 0]
+
+    # acceptance: draft j passes when u_j * q_j(d_j) < p_j(d_j); na counts the leading passes
+    b_alive = nd >= 0
+    b_na = nd * 0
+    for j in tl.static_range(K - 1):
+        b_d = tl.load(p_drafts + i_b * s_d_b + j * s_d_k)
+        b_pd = tl.load(p_prow + j * V + b_d)
+        b_qd = tl.load(p_q + i_b * s_q_b + j * s_q_k + b_d).to(tl.float32)
+        b_u = tl.load(p_u + i_b * s_u_b + j * s_u_k)
+        b_alive = b_alive & (b_u * b_qd < b_pd) & (j < nd)
+        b_na += b_alive.to(nd.dtype)
+    tl.store(p_na + i_b, b_na.to(tl.int64))
+
+    p_target = p_prow + b_na * V  # p[b, na]
+    o_v = tl.arange(0, BLOCK_V)
+    b_resid = b_na < nd  # a rejection happened: draw from the residual max(0, p - q)
+    if K > 1:
+        p_qrow = p_q + i_b * s_q_b + tl.minimum(b_na, K - 2) * s_q_k
+        # pass 1: does the residual have mass? (order-free: every term is >= 0)
+        b_rsum = 0.0
+        for start in range(0, V, BLOCK_V):
+            o_x = start + o_v
+            m_x = o_x < V
+            b_t = tl.load(p_target + o_x, mask=m_x, other=0.0)
+            b_qv = tl.load(p_qrow + o_x, mask=m_x, other=0.0).to(tl.float32)
+            b_rsum += tl.sum(tl.maximum(b_t - b_qv, 0.0), 0)
+        # p == q exactly makes a rejection impossible; fall back to p if rounding produced one
+        b_resid = b_resid & (b_rsum > 0.0)
+
+    # pass 2: the running prefix total of the chosen weights w (the last cdf value)
+    b_c = 0.0
+    for start in range(0, V, BLOCK_V):
+        o_x = start + o_v
+        m_x = o_x < V
+        b_w = tl.load(p_target + o_x, mask=m_x, other=0.0)
+        if K > 1:
+            # q is read only after a rejection (where(): a scalar & block mask trips the interpreter)
+            b_qv = tl.load(p_qrow + o_x, mask=tl.where(b_resid, m_x, False), other=0.0).to(tl.float32)
+            b_w = tl.where(b_resid, tl.maximum(b_w - b_qv, 0.0), b_w)
+        b_c += tl.max(tl.cumsum(b_w, 0), 0)  # = the block's last prefix (w >= 0), as pass 3 sees it
+    b_thresh = tl.load(p_u + i_b * s_u_b + (K - 1) * s_u_k) * b_c
+
+    # pass 3: token = number of cdf values <= thresh (the cdf is non-decreasing)
+    b_cnt = b_na * 0
+    b_c = 0.0
+    for start in range(0, V, BLOCK_V):
+        o_x = start + o_v
+        m_x = o_x < V
+        b_w = tl.load(p_target + o_x, mask=m_x, other=0.0)
+        if K > 1:
+            b_qv = tl.load(p_qrow + o_x, mask=tl.where(b_resid, m_x, False), other=0.0).to(tl.float32)
+            b_w = tl.where(b_resid, tl.maximum(b_w - b_qv, 0.0), b_w)
+        b_cdf = b_c + tl.cumsum(b_w, 0)  # (BLOCK_V,)
+        b_cnt += tl.sum(((b_cdf <= b_thresh) & m_x).to(b_cnt.dtype), 0)
+        b_c += tl.max(tl.cumsum(b_w, 0), 0)
+    tl.store(p_tok + i_b, tl.minimum(b_cnt, V - 1).to(tl.int64))
+
+
+def _verdict_sample(logits, draft_probs, drafts, num_drafts, uniforms, temperature, top_k, top_p, block_v=None):
+    """verdict_sample with the V tile exposed (tests force several tiles)."""
+    if logits.dim() != 3:
+        raise ValueError(f"logits must be (B, K, V), got {tuple(logits.shape)}")
+    Bsz, K, V = logits.shape
+    if K < 1 or V < 1:
+        raise ValueError(f"logits needs K >= 1 and V >= 1, got {tuple(logits.shape)}")
+    if draft_probs.shape != (Bsz, K - 1, V) or not draft_probs.is_floating_point():
+        raise ValueError(f"draft_probs must be float ({Bsz}, {K - 1}, {V}), got {draft_probs.dtype} {tuple(draft_probs.shape)}")
+    if drafts.shape != (Bsz, K - 1) or drafts.is_floating_point():
+        raise ValueError(f"drafts must be an integer tensor ({Bsz}, {K - 1}), got {drafts.dtype} {tuple(drafts.shape)}")
+    if num_drafts.shape != (Bsz,) or num_drafts.is_floating_point():
+        raise ValueError(f"num_drafts must be an integer tensor ({Bsz},), got {num_drafts.dtype} {tuple(num_drafts.shape)}")
+    if uniforms.shape != (Bsz, K) or uniforms.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"uniforms must be fp32/fp64 ({Bsz}, {K}), got {uniforms.dtype} {tuple(uniforms.shape)}")
+    for name, t in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p)):
+        if t.shape != (Bsz,):
+            raise ValueError(f"{name} must be ({Bsz},), got {tuple(t.shape)}")
+    if len({t.device for t in (logits, draft_probs, drafts, num_drafts, uniforms, temperature, top_k, top_p)}) != 1:
+        raise ValueError("all tensors must be on one device")
+    if K > 1 and draft_probs.stride(-1) != 1:
+        raise ValueError("draft_probs must have a unit stride in its last dim")
+    dev = logits.device
+    na = torch.empty((Bsz,), dtype=torch.int64, device=dev)
+    token = torch.empty((Bsz,), dtype=torch.int64, device=dev)
+    if Bsz == 0:
+        return na, token
+    # the sort behind top-k / top-p stays in torch (see the module docstring)
+    p = sampling_probs_ref(logits, temperature, top_k, top_p).contiguous()  # (B, K, V) fp32
+    q = draft_probs if K > 1 else p
+    d = drafts if K > 1 else na
+    BLOCK_V = block_v or min(2048 if logits.is_cuda else 1024, triton.next_power_of_2(V))
+    _verdict_sample_kernel[(Bsz,)](
+        p, q, d, num_drafts, uniforms, na, token, V,
+        q.stride(0), q.stride(1), d.stride(0), d.stride(1) if K > 1 else 0, uniforms.stride(0), uniforms.stride(1),
+        K=K, BLOCK_V=BLOCK_V,
+    )
+    return na, token
+
+
+def verdict_sample(logits, draft_probs, drafts, num_drafts, uniforms, temperature, top_k, top_p):
+    """Triton version of verdict_sample_ref (same signature; (na, token) equal for the same uniforms,
+    up to the cumsum rounding discussed in the module docstring)."""
+    return _verdict_sample(logits, draft_probs, drafts, num_drafts, uniforms, temperature, top_k, top_p)
+
+
 
 
 def sampling_probs_ref(logits, temperature, top_k, top_p):
