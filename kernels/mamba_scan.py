@@ -3,12 +3,245 @@ one prompt, starting from zero state.
 
 Returns y (T, H, P) with the D skip, the final ssm state (H, P, N) fp32 and the
 final conv window (C, W-1): the last W-1 conv inputs, zeros where T < W-1.
+
+Per head h of group g, with a_t = dt_t A_h (a log decay, <= 0):
+
+    S_t = exp(a_t) S_{t-1} + dt_t x_t B_t^T,    y_t = S_t C_t + D_h x_t        (recurrent form)
+
+Two Triton kernels compute it, both one program per (head, block of BLOCK_P head
+dims) computing its conv channels on the fly (x of its head, B and C of its group,
+the latter recomputed by every head block of the group):
+
+  recurrent: a loop over the T tokens, the (BLOCK_P, N) state in registers.
+  chunked (SSD): tokens in chunks of Q. With cumulative log decays
+    Acum_t = sum_{tau <= t, same chunk} a_tau, inside a chunk starting from state S_prev:
+
+      y_t   = sum_{s <= t} (C_t . B_s) exp(Acum_t - Acum_s) dt_s x_s     intra-chunk, (Q,Q)@(Q,P) tl.dot
+            + exp(Acum_t) S_prev C_t                                      output from the state passed in
+            + D x_t
+      S_end = exp(Acum_last) S_prev + sum_s exp(Acum_last - Acum_s) dt_s x_s B_s^T      chunk state, tl.dot
+
+    The chunks of a head are walked in order inside the program (state passing in
+    registers), so one launch does intra-chunk outputs, chunk states, state passing
+    and the chunk output. Matmuls use fp32 ("ieee") precision to match the reference.
+
+`mamba_scan(..., method="auto")` picks chunked on CUDA for T >= 2*Q, else recurrent.
 """
 import torch
+import triton
+import triton.language as tl
 
 from kernels.common import conv_silu_ref, mamba_dt_ref, split_xbc, ssm_step_ref
 
 INF = float("inf")
+CHUNK = 64  # Q: tokens per chunk of the SSD form (tl.dot wants >= 16)
+
+
+@triton.jit
+def _softplus(x):
+    # torch's softplus: x above the threshold 20, else log1p(exp(x)) (log1p the accurate way)
+    u = tl.exp(tl.minimum(x, 20.0))
+    w = 1.0 + u
+    lp = tl.where(w == 1.0, u, tl.log(w) * u / (w - 1.0))
+    return tl.where(x > 20.0, x, lp)
+
+
+@triton.jit
+def _conv_silu_tokens(p_xbc, stride_t, o_t, m_t, o_c, m_c, p_conv_w, p_conv_b,
+                      HAS_BIAS: tl.constexpr, W: tl.constexpr):
+    """silu(causal conv) for tokens o_t (rows) and channels o_c (cols) -> (len(o_t), len(o_c)) fp32;
+    inputs before token 0 are the zero padding of the prompt's fresh window."""
+    b_acc = tl.zeros([o_t.shape[0], o_c.shape[0]], dtype=tl.float32)
+    for w in tl.static_range(W):
+        i = o_t - (W - 1) + w  # input token of tap w
+        m = (m_t & (i >= 0))[:, None] & m_c[None, :]
+        b_in = tl.load(p_xbc + i[:, None] * stride_t + o_c[None, :], mask=m, other=0.0).to(tl.float32)
+        b_w = tl.load(p_conv_w + o_c * W + w, mask=m_c, other=0.0).to(tl.float32)
+        b_acc += b_in * b_w[None, :]
+    if HAS_BIAS:
+        b_acc += tl.load(p_conv_b + o_c, mask=m_c, other=0.0).to(tl.float32)[None, :]
+    return b_acc / (1.0 + tl.exp(-b_acc))
+
+
+@triton.jit
+def _store_conv_window(p_xbc, stride_t, p_win, T, o_c, m_c, Wm1: tl.constexpr, BLOCK_W: tl.constexpr):
+    """conv_window[o_c, w] = xBC[T-(W-1)+w, o_c], zero before token 0."""
+    o_w = tl.arange(0, BLOCK_W)
+    i = T - Wm1 + o_w
+    m = m_c[:, None] & (o_w < Wm1)[None, :]
+    b = tl.load(p_xbc + i[None, :] * stride_t + o_c[:, None], mask=m & (i >= 0)[None, :], other=0.0)
+    tl.store(p_win + o_c[:, None] * Wm1 + o_w[None, :], b, mask=m)
+
+
+@triton.jit
+def _mamba_scan_recurrent_kernel(
+    p_xbc, p_dt, p_conv_w, p_conv_b, p_dt_bias, p_A_log, p_D, p_y, p_state, p_win,
+    T, stride_t, stride_dt, dt_lo, dt_hi,
+    H: tl.constexpr, P: tl.constexpr, N: tl.constexpr, G: tl.constexpr, W: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
+):
+    i_h, i_p = tl.program_id(0), tl.program_id(1)
+    i_g = i_h // (H // G)
+    o_p = i_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    o_n = tl.arange(0, BLOCK_N)
+    o_w = tl.arange(0, BLOCK_W)  # conv taps, BLOCK_W >= W here
+    m_p, m_n = o_p < P, o_n < N
+    o_cx = i_h * P + o_p  # conv channels: x of head h, B and C of group g
+    o_cb = H * P + i_g * N + o_n
+    o_cc = H * P + G * N + i_g * N + o_n
+    # window tiles (channels, taps): token t reads inputs t-(W-1)+w; pointers and weights hoisted
+    m_xw = m_p[:, None] & (o_w < W)[None, :]
+    m_nw = m_n[:, None] & (o_w < W)[None, :]
+    p_wx = p_xbc + (o_w[None, :] - (W - 1)) * stride_t + o_cx[:, None]
+    p_wb = p_xbc + (o_w[None, :] - (W - 1)) * stride_t + o_cb[:, None]
+    p_wc = p_xbc + (o_w[None, :] - (W - 1)) * stride_t + o_cc[:, None]
+    b_wx = tl.load(p_conv_w + o_cx[:, None] * W + o_w[None, :], mask=m_xw, other=0.0).to(tl.float32)
+    b_wb = tl.load(p_conv_w + o_cb[:, None] * W + o_w[None, :], mask=m_nw, other=0.0).to(tl.float32)
+    b_wc = tl.load(p_conv_w + o_cc[:, None] * W + o_w[None, :], mask=m_nw, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        b_bx = tl.load(p_conv_b + o_cx, mask=m_p, other=0.0).to(tl.float32)
+        b_bb = tl.load(p_conv_b + o_cb, mask=m_n, other=0.0).to(tl.float32)
+        b_bc = tl.load(p_conv_b + o_cc, mask=m_n, other=0.0).to(tl.float32)
+    else:
+        b_bx = tl.zeros([BLOCK_P], dtype=tl.float32)
+        b_bb = tl.zeros([BLOCK_N], dtype=tl.float32)
+        b_bc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    b_A = -tl.exp(tl.load(p_A_log + i_h).to(tl.float32))
+    b_D = tl.load(p_D + i_h).to(tl.float32)
+    b_dt_bias = tl.load(p_dt_bias + i_h).to(tl.float32)
+    b_s = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)  # (BLOCK_P, N): zero initial state
+    p_yt = p_y + i_h * P + o_p
+    for t in range(T):
+        m_tap = (o_w + t >= W - 1)[None, :]  # taps before token 0 read the zero padding
+        b_x = tl.sum(tl.load(p_wx + t * stride_t, mask=m_xw & m_tap, other=0.0).to(tl.float32) * b_wx, axis=1) + b_bx
+        b_B = tl.sum(tl.load(p_wb + t * stride_t, mask=m_nw & m_tap, other=0.0).to(tl.float32) * b_wb, axis=1) + b_bb
+        b_C = tl.sum(tl.load(p_wc + t * stride_t, mask=m_nw & m_tap, other=0.0).to(tl.float32) * b_wc, axis=1) + b_bc
+        b_x = b_x / (1.0 + tl.exp(-b_x))  # SiLU
+        b_B = b_B / (1.0 + tl.exp(-b_B))
+        b_C = b_C / (1.0 + tl.exp(-b_C))
+        b_dt = _softplus(tl.load(p_dt + t * stride_dt + i_h).to(tl.float32) + b_dt_bias)
+        b_dt = tl.minimum(tl.maximum(b_dt, dt_lo), dt_hi)
+        b_s = tl.exp(b_dt * b_A) * b_s + (b_dt * b_x)[:, None] * b_B[None, :]
+        b_y = tl.sum(b_s * b_C[None, :], axis=1) + b_D * b_x
+        tl.store(p_yt + t * (H * P), b_y.to(p_y.dtype.element_ty), mask=m_p)
+    tl.store(p_state + (i_h * P + o_p[:, None]) * N + o_n[None, :], b_s, mask=m_p[:, None] & m_n[None, :])
+    # final window: x channels by their head block, B/C by the group's first head block
+    # (vector compare: the interpreter mis-types block mask & scalar bool)
+    _store_conv_window(p_xbc, stride_t, p_win, T, o_cx, m_p, W - 1, BLOCK_W)
+    m_own = m_n & ((o_n * 0 + (i_h % (H // G)) + i_p) == 0)
+    _store_conv_window(p_xbc, stride_t, p_win, T, o_cb, m_own, W - 1, BLOCK_W)
+    _store_conv_window(p_xbc, stride_t, p_win, T, o_cc, m_own, W - 1, BLOCK_W)
+
+
+@triton.jit
+def _mamba_scan_chunked_kernel(
+    p_xbc, p_dt, p_conv_w, p_conv_b, p_dt_bias, p_A_log, p_D, p_y, p_state, p_win,
+    T, stride_t, stride_dt, dt_lo, dt_hi,
+    H: tl.constexpr, P: tl.constexpr, N: tl.constexpr, G: tl.constexpr, W: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
+    Q: tl.constexpr,
+):
+    i_h, i_p = tl.program_id(0), tl.program_id(1)
+    i_g = i_h // (H // G)
+    o_p = i_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    o_n = tl.arange(0, BLOCK_N)
+    o_q = tl.arange(0, Q)
+    m_p, m_n = o_p < P, o_n < N
+    o_cx = i_h * P + o_p
+    o_cb = H * P + i_g * N + o_n
+    o_cc = H * P + G * N + i_g * N + o_n
+    b_A = -tl.exp(tl.load(p_A_log + i_h).to(tl.float32))
+    b_D = tl.load(p_D + i_h).to(tl.float32)
+    b_dt_bias = tl.load(p_dt_bias + i_h).to(tl.float32)
+    m_causal = o_q[:, None] >= o_q[None, :]  # (Q, Q): token t sees s <= t
+    b_s = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)  # (BLOCK_P, N) state entering the chunk
+
+    for t0 in range(0, T, Q):
+        o_t = t0 + o_q
+        m_t = o_t < T
+        b_x = _conv_silu_tokens(p_xbc, stride_t, o_t, m_t, o_cx, m_p, p_conv_w, p_conv_b, HAS_BIAS, W)  # (Q, BLOCK_P)
+        b_B = _conv_silu_tokens(p_xbc, stride_t, o_t, m_t, o_cb, m_n, p_conv_w, p_conv_b, HAS_BIAS, W)  # (Q, BLOCK_N)
+        b_C = _conv_silu_tokens(p_xbc, stride_t, o_t, m_t, o_cc, m_n, p_conv_w, p_conv_b, HAS_BIAS, W)  # (Q, BLOCK_N)
+        b_dt = _softplus(tl.load(p_dt + o_t * stride_dt + i_h, mask=m_t, other=0.0).to(tl.float32) + b_dt_bias)
+        b_dt = tl.where(m_t, tl.minimum(tl.maximum(b_dt, dt_lo), dt_hi), 0.0)  # (Q,): padding tokens: dt = 0
+        b_a = b_dt * b_A  # (Q,) log decays; 0 on padding, so the chunk total is exact
+        b_acum = tl.cumsum(b_a, axis=0)  # (Q,)
+        b_alast = tl.sum(b_a, axis=0)
+
+        # intra-chunk: M[t, s] = (C_t . B_s) exp(Acum_t - Acum_s) dt_s for s <= t
+        b_cb = tl.dot(b_C, tl.trans(b_B), input_precision="ieee")  # (Q, Q)
+        b_seg = tl.exp(tl.where(m_causal, b_acum[:, None] - b_acum[None, :], -float("inf")))
+        b_m = b_cb * b_seg * b_dt[None, :]
+        b_y = tl.dot(b_m, b_x, input_precision="ieee")  # (Q, BLOCK_P)
+        # from the state passed in: exp(Acum_t) (C_t S_prev^T)
+        b_y += tl.exp(b_acum)[:, None] * tl.dot(b_C, tl.trans(b_s), input_precision="ieee")
+        b_y += b_D * b_x
+        p_y_blk = p_y + (o_t[:, None] * H + i_h) * P + o_p[None, :]
+        tl.store(p_y_blk, b_y.to(p_y.dtype.element_ty), mask=m_t[:, None] & m_p[None, :])
+
+        # state passing: S = exp(Acum_last) S + sum_s exp(Acum_last - Acum_s) dt_s x_s B_s^T
+        b_xw = b_x * (tl.exp(b_alast - b_acum) * b_dt)[:, None]  # (Q, BLOCK_P)
+        b_s = tl.exp(b_alast) * b_s + tl.dot(tl.trans(b_xw), b_B, input_precision="ieee")
+
+    tl.store(p_state + (i_h * P + o_p[:, None]) * N + o_n[None, :], b_s, mask=m_p[:, None] & m_n[None, :])
+    _store_conv_window(p_xbc, stride_t, p_win, T, o_cx, m_p, W - 1, BLOCK_W)
+    m_own = m_n & ((o_n * 0 + (i_h % (H // G)) + i_p) == 0)
+    _store_conv_window(p_xbc, stride_t, p_win, T, o_cb, m_own, W - 1, BLOCK_W)
+    _store_conv_window(p_xbc, stride_t, p_win, T, o_cc, m_own, W - 1, BLOCK_W)
+
+
+def _check(cond, msg):
+    if not cond:
+        raise ValueError(f"mamba_scan: {msg}")
+
+
+def mamba_scan(xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, n_groups: int, head_dim: int,
+               dt_limit=(0.0, INF), method: str = "auto"):
+    """Triton version of mamba_scan_ref (same arguments and returns), plus `method`:
+    "recurrent", "chunked" (SSD, chunks of CHUNK tokens) or "auto" (chunked on CUDA when T >= 2*CHUNK).
+
+    xBC (T, C) and dt (T, H) need unit stride on the last dim (row strides are free, e.g. views
+    into the in_proj output); conv_weight (C, W), conv_bias (C,) or None, dt_bias, A_log, D (H,)
+    must be contiguous and on xBC's device.
+    """
+    _check(method in ("auto", "recurrent", "chunked"), f"unknown method {method!r}")
+    _check(xBC.dim() == 2 and dt.dim() == 2, f"xBC (T, C) and dt (T, H) expected, got {tuple(xBC.shape)}, {tuple(dt.shape)}")
+    T, C = xBC.shape
+    H = dt.shape[1]
+    P, G = head_dim, n_groups
+    _check(dt.shape[0] == T, f"dt has {dt.shape[0]} tokens, xBC {T}")
+    _check(G >= 1 and H % G == 0, f"H={H} not divisible by n_groups={G}")
+    _check(P >= 1 and C > H * P and (C - H * P) % (2 * G) == 0, f"C={C} does not split into H*P={H * P} + 2*G*N")
+    N = (C - H * P) // (2 * G)
+    _check(conv_weight.dim() == 2 and conv_weight.shape[0] == C and conv_weight.shape[1] >= 2,
+           f"conv_weight must be (C={C}, W>=2), got {tuple(conv_weight.shape)}")
+    W = conv_weight.shape[1]
+    _check(conv_bias is None or tuple(conv_bias.shape) == (C,), "conv_bias must be (C,) or None")
+    for name, t in (("dt_bias", dt_bias), ("A_log", A_log), ("D", D)):
+        _check(tuple(t.shape) == (H,), f"{name} must be (H={H},), got {tuple(t.shape)}")
+    _check((xBC.stride(1) == 1 and dt.stride(1) == 1) or T == 0, "xBC and dt need unit stride on the last dim")
+    for name, t in (("conv_weight", conv_weight), ("conv_bias", conv_bias), ("dt_bias", dt_bias),
+                    ("A_log", A_log), ("D", D), ("dt", dt)):
+        _check(t is None or t.device == xBC.device, f"{name} is on {t.device}, xBC on {xBC.device}")
+        _check(t is None or t is dt or t.is_contiguous(), f"{name} must be contiguous")
+
+    y = torch.empty(T, H, P, device=xBC.device, dtype=xBC.dtype)
+    state = torch.empty(H, P, N, device=xBC.device, dtype=torch.float32)
+    window = torch.empty(C, W - 1, device=xBC.device, dtype=xBC.dtype)
+    if method == "auto":
+        method = "chunked" if (xBC.is_cuda and T >= 2 * CHUNK) else "recurrent"
+    BLOCK_P = min(triton.next_power_of_2(P), 16 if method == "recurrent" else 32)
+    BLOCK_P = max(BLOCK_P, 16) if method == "chunked" else BLOCK_P  # tl.dot needs >= 16
+    common = dict(H=H, P=P, N=N, G=G, W=W, HAS_BIAS=conv_bias is not None, BLOCK_P=BLOCK_P,
+                  BLOCK_N=max(16, triton.next_power_of_2(N)), BLOCK_W=triton.next_power_of_2(W))
+    args = (xBC, dt, conv_weight, conv_bias if conv_bias is not None else conv_weight, dt_bias, A_log, D,
+            y, state, window, T, xBC.stride(0), dt.stride(0), float(dt_limit[0]), float(dt_limit[1]))
+    grid = (H, triton.cdiv(P, BLOCK_P))
+    if method == "recurrent":
+        _mamba_scan_recurrent_kernel[grid](*args, **common, num_warps=4)
+    else:
+        _mamba_scan_chunked_kernel[grid](*args, **common, Q=CHUNK, num_warps=8)
+    return y, state, window
 
 
 def mamba_scan_ref(xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, n_groups: int, head_dim: int,

@@ -5,8 +5,71 @@
 
 Returns (y, h): the decoder loop keeps h as the residual stream and feeds y to
 the next mixer or MLP, so one pass over the row does both.
+
+The Triton version runs one program per row of D elements: the row is read once
+(x and residual), h is written once (only with a residual) and y once. Roundings
+follow the reference's dtypes: multiplier * x and the add round to x's dtype,
+the normalised row rounds to h's dtype before the weight, y has
+promote(weight, h) dtype.
 """
 import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rmsnorm_kernel(p_x, p_res, p_w, p_y, p_h, D, stride_x, stride_r, eps, multiplier,
+                    HAS_RES: tl.constexpr, BLOCK_D: tl.constexpr):
+    i_m = tl.program_id(0).to(tl.int64)
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = o_d < D
+    b_x = tl.load(p_x + i_m * stride_x + o_d, mask=m_d, other=0.0)
+    ty = b_x.dtype
+    if HAS_RES:
+        b_r = tl.load(p_res + i_m * stride_r + o_d, mask=m_d, other=0.0)
+        b_mx = (b_x.to(tl.float32) * multiplier).to(ty)  # torch rounds multiplier * x first
+        b_h = (b_r.to(tl.float32) + b_mx.to(tl.float32)).to(ty)  # (BLOCK_D,) in x's dtype
+        tl.store(p_h + i_m * D + o_d, b_h, mask=m_d)
+    else:
+        b_h = b_x
+    b_hf = b_h.to(tl.float32)
+    b_rstd = 1.0 / tl.sqrt(tl.sum(b_hf * b_hf, axis=0) / D + eps)
+    b_n = (b_hf * b_rstd).to(ty).to(tl.float32)
+    b_w = tl.load(p_w + o_d, mask=m_d, other=0.0).to(tl.float32)
+    tl.store(p_y + i_m * D + o_d, (b_w * b_n).to(p_y.dtype.element_ty), mask=m_d)
+
+
+def _check(cond, msg):
+    if not cond:
+        raise ValueError(f"rmsnorm: {msg}")
+
+
+def rmsnorm(x, weight, eps: float, residual=None, multiplier: float = 1.0):
+    """Triton version of rmsnorm_ref: x (..., D) with unit last-dim stride (rows are reshaped, so
+    leading dims that cannot be flattened without a copy are copied), weight (D,) contiguous,
+    residual like x or None -> (y, h), both new contiguous (..., D) tensors (h is x itself
+    without a residual, as in the reference)."""
+    _check(x.dim() >= 1 and x.is_floating_point(), "x must be a float (..., D) tensor")
+    D = x.shape[-1]
+    _check(tuple(weight.shape) == (D,) and weight.is_contiguous(), f"weight must be a contiguous (D={D},) tensor")
+    _check(x.stride(-1) == 1 or x.numel() == 0, "x needs unit stride on the last dim")
+    _check(weight.device == x.device, "weight must be on x's device")
+    if residual is not None:
+        _check(residual.shape == x.shape and residual.dtype == x.dtype and residual.device == x.device,
+               f"residual must match x: {tuple(x.shape)} {x.dtype}")
+        _check(residual.stride(-1) == 1 or x.numel() == 0, "residual needs unit stride on the last dim")
+    x2 = x.reshape(-1, D)
+    y = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    h = x if residual is None else torch.empty_like(x, memory_format=torch.contiguous_format)
+    if x2.shape[0] == 0 or D == 0:
+        return y, h
+    r2 = residual.reshape(-1, D) if residual is not None else x2
+    BLOCK_D = triton.next_power_of_2(D)
+    _rmsnorm_kernel[(x2.shape[0],)](
+        x2, r2, weight, y, h, D, x2.stride(0), r2.stride(0), float(eps), float(multiplier),
+        HAS_RES=residual is not None, BLOCK_D=BLOCK_D, num_warps=min(16, max(1, BLOCK_D // 256)),
+    )
+    return y, h
 
 
 def rmsnorm_ref(x, weight, eps: float, residual=None, multiplier: float = 1.0):
