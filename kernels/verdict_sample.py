@@ -10,9 +10,9 @@ the logits of row j) and the draft probabilities q_j the drafts were sampled fro
 Kernel split: top-k / top-p need a sort over V, so the launcher builds the filtered
 target probabilities p (B, K, V) with `sampling_probs_ref` in torch (the same code the
 draft side uses, so p is bit-identical to the reference's). `_verdict_sample_kernel`
-(one program per sequence) then does the rest with scalar loads and tiled passes over V:
+(BLOCK_B sequences per program) then does the rest with gathers and tiled passes over V:
 
-  0. the acceptance tests: K-1 scalar loads of p and q at the drafts give na;
+  0. the acceptance tests: K-1 loads of p and q at the drafts give na;
   1. (after a rejection) whether the residual r = max(0, p_na - q_na) has any mass;
   2. the total of the chosen weights w (r or p_na) as a running prefix sum;
   3. the inverse-CDF draw: token = #{v : cdf[v] <= u[K-1] * cdf[V-1]}, counted block by block.
@@ -34,70 +34,71 @@ import triton.language as tl
 
 @triton.jit
 def _verdict_sample_kernel(
-    p_p, p_q, p_drafts, p_nd, p_u, p_na, p_tok, V,
+    p_p, p_q, p_drafts, p_nd, p_u, p_na, p_tok, B, V,
     s_q_b, s_q_k, s_d_b, s_d_k, s_u_b, s_u_k,
-    K: tl.constexpr, BLOCK_V: tl.constexpr,
+    K: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    """grid (B,). p (B, K, V) fp32 contiguous; q (B, K-1, V); drafts (B, K-1); uniforms (B, K)."""
-    i_b = tl.program_id(0)
-    nd = tl.load(p_nd + i_b)
-    p_prow = p_p + i_b.to(tl.int64) * K * V  # p[b, 0]
+    """grid (cdiv(B, BLOCK_B),): BLOCK_B sequences per program (1 for a large V, more for a small one).
+    p (B, K, V) fp32 contiguous; q (B, K-1, V); drafts (B, K-1); uniforms (B, K)."""
+    o_b = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+    m_b = o_b < B
+    b_nd = tl.load(p_nd + o_b, mask=m_b, other=0).to(tl.int64)  # (BLOCK_B,)
+    o_prow = o_b.to(tl.int64) * K * V  # offset of p[b, 0]
 
-    # acceptance: draft j passes when u_j * q_j(d_j) < p_j(d_j); na counts the leading passes
-    b_alive = nd >= 0
-    b_na = nd * 0
+    # 0. acceptance: draft j passes when u_j * q_j(d_j) < p_j(d_j); na counts the leading passes
+    b_alive = m_b
+    b_na = tl.zeros([BLOCK_B], tl.int64)
     for j in tl.static_range(K - 1):
-        b_d = tl.load(p_drafts + i_b * s_d_b + j * s_d_k)
-        b_pd = tl.load(p_prow + j * V + b_d)
-        b_qd = tl.load(p_q + i_b * s_q_b + j * s_q_k + b_d).to(tl.float32)
-        b_u = tl.load(p_u + i_b * s_u_b + j * s_u_k)
-        b_alive = b_alive & (b_u * b_qd < b_pd) & (j < nd)
-        b_na += b_alive.to(nd.dtype)
-    tl.store(p_na + i_b, b_na.to(tl.int64))
+        b_d = tl.load(p_drafts + o_b * s_d_b + j * s_d_k, mask=m_b, other=0)
+        b_pd = tl.load(p_p + o_prow + j * V + b_d, mask=m_b, other=0.0)
+        b_qd = tl.load(p_q + o_b * s_q_b + j * s_q_k + b_d, mask=m_b, other=0.0).to(tl.float32)
+        b_u = tl.load(p_u + o_b * s_u_b + j * s_u_k, mask=m_b, other=1.0)
+        b_alive = b_alive & (b_u * b_qd < b_pd) & (j < b_nd)
+        b_na += b_alive.to(tl.int64)
+    tl.store(p_na + o_b, b_na, mask=m_b)
 
-    p_target = p_prow + b_na * V  # p[b, na]
+    o_t = o_prow + b_na * V  # offset of p[b, na]
     o_v = tl.arange(0, BLOCK_V)
-    b_resid = b_na < nd  # a rejection happened: draw from the residual max(0, p - q)
+    b_resid = b_na < b_nd  # a rejection happened: draw from the residual max(0, p - q)
     if K > 1:
-        p_qrow = p_q + i_b * s_q_b + tl.minimum(b_na, K - 2) * s_q_k
-        # pass 1: does the residual have mass? (order-free: every term is >= 0)
-        b_rsum = 0.0
+        o_q = o_b * s_q_b + tl.minimum(b_na, K - 2) * s_q_k  # offset of q[b, min(na, K-2)]
+        # 1. does the residual have mass? (order-free: every term is >= 0)
+        b_rsum = tl.zeros([BLOCK_B], tl.float32)
         for start in range(0, V, BLOCK_V):
             o_x = start + o_v
-            m_x = o_x < V
-            b_t = tl.load(p_target + o_x, mask=m_x, other=0.0)
-            b_qv = tl.load(p_qrow + o_x, mask=m_x, other=0.0).to(tl.float32)
-            b_rsum += tl.sum(tl.maximum(b_t - b_qv, 0.0), 0)
+            m_x = m_b[:, None] & (o_x < V)[None, :]
+            b_t = tl.load(p_p + o_t[:, None] + o_x[None, :], mask=m_x, other=0.0)  # (BLOCK_B, BLOCK_V)
+            b_qv = tl.load(p_q + o_q[:, None] + o_x[None, :], mask=m_x, other=0.0).to(tl.float32)
+            b_rsum += tl.sum(tl.maximum(b_t - b_qv, 0.0), 1)
         # p == q exactly makes a rejection impossible; fall back to p if rounding produced one
         b_resid = b_resid & (b_rsum > 0.0)
 
-    # pass 2: the running prefix total of the chosen weights w (the last cdf value)
-    b_c = 0.0
+    # 2. the running prefix total of the chosen weights w (the last cdf value)
+    b_c = tl.zeros([BLOCK_B], tl.float32)
     for start in range(0, V, BLOCK_V):
         o_x = start + o_v
-        m_x = o_x < V
-        b_w = tl.load(p_target + o_x, mask=m_x, other=0.0)
+        m_x = m_b[:, None] & (o_x < V)[None, :]
+        b_w = tl.load(p_p + o_t[:, None] + o_x[None, :], mask=m_x, other=0.0)
         if K > 1:
-            # q is read only after a rejection (where(): a scalar & block mask trips the interpreter)
-            b_qv = tl.load(p_qrow + o_x, mask=tl.where(b_resid, m_x, False), other=0.0).to(tl.float32)
-            b_w = tl.where(b_resid, tl.maximum(b_w - b_qv, 0.0), b_w)
-        b_c += tl.max(tl.cumsum(b_w, 0), 0)  # = the block's last prefix (w >= 0), as pass 3 sees it
-    b_thresh = tl.load(p_u + i_b * s_u_b + (K - 1) * s_u_k) * b_c
+            b_qv = tl.load(p_q + o_q[:, None] + o_x[None, :], mask=m_x & b_resid[:, None], other=0.0).to(tl.float32)
+            b_w = tl.where(b_resid[:, None], tl.maximum(b_w - b_qv, 0.0), b_w)
+        b_c += tl.max(tl.cumsum(b_w, 1), 1)  # = the block's last prefix (w >= 0), as pass 3 sees it
+    b_thresh = tl.load(p_u + o_b * s_u_b + (K - 1) * s_u_k, mask=m_b, other=0.0) * b_c
 
-    # pass 3: token = number of cdf values <= thresh (the cdf is non-decreasing)
-    b_cnt = b_na * 0
-    b_c = 0.0
+    # 3. token = number of cdf values <= thresh (the cdf is non-decreasing)
+    b_cnt = tl.zeros([BLOCK_B], tl.int64)
+    b_c = tl.zeros([BLOCK_B], tl.float32)
     for start in range(0, V, BLOCK_V):
         o_x = start + o_v
-        m_x = o_x < V
-        b_w = tl.load(p_target + o_x, mask=m_x, other=0.0)
+        m_x = m_b[:, None] & (o_x < V)[None, :]
+        b_w = tl.load(p_p + o_t[:, None] + o_x[None, :], mask=m_x, other=0.0)
         if K > 1:
-            b_qv = tl.load(p_qrow + o_x, mask=tl.where(b_resid, m_x, False), other=0.0).to(tl.float32)
-            b_w = tl.where(b_resid, tl.maximum(b_w - b_qv, 0.0), b_w)
-        b_cdf = b_c + tl.cumsum(b_w, 0)  # (BLOCK_V,)
-        b_cnt += tl.sum(((b_cdf <= b_thresh) & m_x).to(b_cnt.dtype), 0)
-        b_c += tl.max(tl.cumsum(b_w, 0), 0)
-    tl.store(p_tok + i_b, tl.minimum(b_cnt, V - 1).to(tl.int64))
+            b_qv = tl.load(p_q + o_q[:, None] + o_x[None, :], mask=m_x & b_resid[:, None], other=0.0).to(tl.float32)
+            b_w = tl.where(b_resid[:, None], tl.maximum(b_w - b_qv, 0.0), b_w)
+        b_scan = tl.cumsum(b_w, 1)  # (BLOCK_B, BLOCK_V)
+        b_cnt += tl.sum(((b_c[:, None] + b_scan <= b_thresh[:, None]) & m_x).to(tl.int64), 1)
+        b_c += tl.max(b_scan, 1)
+    tl.store(p_tok + o_b, tl.minimum(b_cnt, V - 1), mask=m_b)
 
 
 def _verdict_sample(logits, draft_probs, drafts, num_drafts, uniforms, temperature, top_k, top_p, block_v=None):
@@ -132,10 +133,12 @@ def _verdict_sample(logits, draft_probs, drafts, num_drafts, uniforms, temperatu
     q = draft_probs if K > 1 else p
     d = drafts if K > 1 else na
     BLOCK_V = block_v or min(2048 if logits.is_cuda else 1024, triton.next_power_of_2(V))
-    _verdict_sample_kernel[(Bsz,)](
-        p, q, d, num_drafts, uniforms, na, token, V,
+    # small vocabularies: several sequences per program, tiles of about 2k elements
+    BLOCK_B = min(max(1, 2048 // BLOCK_V), triton.next_power_of_2(Bsz), 256)
+    _verdict_sample_kernel[(triton.cdiv(Bsz, BLOCK_B),)](
+        p, q, d, num_drafts, uniforms, na, token, Bsz, V,
         q.stride(0), q.stride(1), d.stride(0), d.stride(1) if K > 1 else 0, uniforms.stride(0), uniforms.stride(1),
-        K=K, BLOCK_V=BLOCK_V,
+        K=K, BLOCK_B=BLOCK_B, BLOCK_V=BLOCK_V,
     )
     return na, token
 
