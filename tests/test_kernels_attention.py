@@ -191,3 +191,24 @@ def test_attention_verify_rejects_bad_shapes(device):
         attention_verify(q, k, v, kc[..., :8], vc[..., :8], slots, lens, SCALE)
     with pytest.raises(ValueError, match="unit stride"):
         attention_verify(q.transpose(2, 3).contiguous().transpose(2, 3), k, v, kc, vc, slots, lens, SCALE)
+
+
+def test_attention_half_precision(device):
+    """fp16 (the half-precision tl.dot path; the interpreter's bf16 dot is not usable on CPU):
+    within fp16 rounding of the reference, and the same cache rows."""
+    dt = torch.float16
+    T, Hq, Hkv, Dh, theta = 40, 4, 2, 24, 10000.0
+    q, k, v = (torch.randn(T, h, Dh, device=device, dtype=dt) for h in (Hq, Hkv, Hkv))
+    kc, vc = (torch.randn(2, 64, Hkv, Dh, device=device).to(dt) for _ in range(2))
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    o = attention_prefill(q, k, v, kc, vc, 1, SCALE, theta)
+    o_ref = attention_prefill_ref(q, k, v, kc_ref, vc_ref, 1, SCALE, theta)
+    assert_close("prefill o fp16", o_ref, o, atol=5e-3)
+    assert_close("prefill k_cache fp16", kc_ref, kc, atol=5e-3)
+    qv, kv, vv = (torch.randn(2, 3, h, Dh, device=device, dtype=dt) for h in (Hq, Hkv, Hkv))
+    slots, lens = torch.tensor([1, 0], device=device), torch.tensor([T, 7], device=device)
+    o = attention_verify(qv, kv, vv, kc, vc, slots, lens, SCALE, theta)
+    o_ref = attention_verify_ref(qv, kv, vv, kc_ref, vc_ref, slots, lens, SCALE, theta)
+    assert_close("verify o fp16", o_ref, o, atol=5e-3)
+    assert_close("verify k_cache fp16", kc_ref, kc, atol=5e-3)
+    assert_unchanged("verify v_cache fp16", vc_ref, vc)
