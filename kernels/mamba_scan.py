@@ -222,8 +222,9 @@ def mamba_scan(xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, n_groups: int
     _check((xBC.stride(1) == 1 and dt.stride(1) == 1) or T == 0, "xBC and dt need unit stride on the last dim")
     for name, t in (("conv_weight", conv_weight), ("conv_bias", conv_bias), ("dt_bias", dt_bias),
                     ("A_log", A_log), ("D", D), ("dt", dt)):
-        _check(t is None or t.device == xBC.device, f"{name} is on {t.device}, xBC on {xBC.device}")
-        _check(t is None or t is dt or t.is_contiguous(), f"{name} must be contiguous")
+        if t is not None:
+            _check(t.device == xBC.device, f"{name} is on {t.device}, xBC on {xBC.device}")
+            _check(t is dt or t.is_contiguous(), f"{name} must be contiguous")
 
     y = torch.empty(T, H, P, device=xBC.device, dtype=xBC.dtype)
     state = torch.empty(H, P, N, device=xBC.device, dtype=torch.float32)

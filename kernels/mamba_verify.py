@@ -199,8 +199,9 @@ def mamba_verify(xBC, dt, conv_state, ssm_state, slot_ids, conv_weight, conv_bia
     for name, t in (("conv_state", conv_state), ("ssm_state", ssm_state), ("ssm_stash", ssm_stash),
                     ("conv_stash", conv_stash), ("conv_weight", conv_weight), ("conv_bias", conv_bias),
                     ("dt_bias", dt_bias), ("A_log", A_log), ("D", D), ("slot_ids", slot_ids)):
-        _check(t is None or t.is_contiguous(), f"{name} must be contiguous")
-        _check(t is None or t.device == xBC.device, f"{name} is on {t.device}, xBC on {xBC.device}")
+        if t is not None:
+            _check(t.is_contiguous(), f"{name} must be contiguous")
+            _check(t.device == xBC.device, f"{name} is on {t.device}, xBC on {xBC.device}")
     _check(dt.device == xBC.device, "dt must be on xBC's device")
 
     y = torch.empty(Bsz, K, H, P, device=xBC.device, dtype=xBC.dtype)
