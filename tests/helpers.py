@@ -44,3 +44,32 @@ def tiny_model(seed: int = 0, backend: str = "torch", **overrides):
             if name.endswith("norm.weight") or name.endswith(".D"):
                 p.add_(0.3 * torch.randn(p.shape, generator=gen))
     return model.eval()
+
+
+def train_tiny_tokenizer(path, vocab_size: int = 300):
+    """A byte-level BPE tokenizer.json with '<|endoftext|>' as id 0, trained on a few lines of text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    text = ["def f(x):\n    return x + 1\n", "for i in range(10):\n    print(i)\n", "héllo wörld ✓ " * 3] * 20
+    tok.train_from_iterator(text, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(path))
+    return tok.get_vocab_size()
+
+
+def tiny_checkpoint(path, seed: int = 0, **overrides):
+    """A random-weight checkpoint directory with a tokenizer; returns the path."""
+    from pathlib import Path
+
+    from nano_spec.weights import save_model
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tok_file = path.parent / f"{path.name}.tokenizer.json"
+    V = train_tiny_tokenizer(tok_file)
+    save_model(tiny_model(seed=seed, vocab_size=max(V, 300), eos_token_id=0, **overrides), path,
+               extra_files={"tokenizer.json": tok_file})
+    return path

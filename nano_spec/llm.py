@@ -1,0 +1,133 @@
+"""The Python API: LLM(...).generate(prompts, params) and LLM(...).stream(prompt, params)."""
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from nano_spec.ops import resolve_backend
+from nano_spec.proposers import make_proposer
+from nano_spec.runner import ModelRunner
+from nano_spec.sampling import SamplingParams
+from nano_spec.scheduler import Scheduler
+from nano_spec.telemetry import Telemetry
+from nano_spec.tokenizer import Tokenizer
+from nano_spec.weights import load_model
+
+WEIGHTS_DIR = Path(__file__).resolve().parent.parent / "weights"
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def shipped_weights() -> Path:
+    """The checkpoint shipped in weights/ (the first directory there holding a config.json)."""
+    found = sorted(p.parent for p in WEIGHTS_DIR.glob("*/config.json"))
+    if not found:
+        raise ValueError(f"model: no checkpoint in {WEIGHTS_DIR}; pass model=<checkpoint directory>")
+    return found[0]
+
+
+@dataclass
+class Output:
+    prompt: str | list
+    text: str
+    token_ids: list
+    finish_reason: str               # "stop", "length" or "error"
+    logprobs: list | None            # per token, its log-probability under the target
+    top_logprobs: list | None        # per token, {token_id: logprob} of the top-n
+    tau: float                       # tokens emitted per verify step for this request
+
+
+class LLM:
+    def __init__(self, model=None, backend: str = "auto", device: str = "auto", dtype=None, max_batch: int = 8,
+                 num_drafts: int = 3, proposer: str = "auto", max_seq_len: int | None = None,
+                 clock=time.perf_counter):
+        path = Path(model) if model is not None else shipped_weights()
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"device: {device!r} is not a torch device") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device: cuda requested but no CUDA device is available")
+        if isinstance(dtype, str):
+            if dtype not in DTYPES:
+                raise ValueError(f"dtype: {dtype!r} is not one of {sorted(DTYPES)}")
+            dtype = DTYPES[dtype]
+        dtype = dtype or torch.float32  # fp32 by default: greedy outputs are then exactly reproducible
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or not 1 <= max_batch <= 1024:
+            raise ValueError(f"max_batch: {max_batch!r} must be an integer in [1, 1024]")
+        backend = resolve_backend(backend, device)
+        self.model = load_model(path, device=device, dtype=dtype, backend=backend)
+        cfg = self.model.cfg
+        self.tokenizer = Tokenizer(path, cfg)
+        self.proposer = make_proposer(proposer, num_drafts, cfg.has_mtp)
+        max_seq_len = cfg.max_position_embeddings if max_seq_len is None else max_seq_len
+        if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 2:
+            raise ValueError(f"max_seq_len: {max_seq_len!r} must be an integer >= 2")
+        self.max_seq_len = max_seq_len
+        self.backend, self.device = backend, device
+        self.telemetry = Telemetry(self.proposer.num_drafts, clock)
+        self.runner = ModelRunner(self.model, self.proposer, max_batch, max_seq_len)
+        self.scheduler = Scheduler(self.runner, self.tokenizer, max_batch, max_seq_len, self.telemetry)
+
+    # ---- requests --------------------------------------------------------------------
+    def _prepare(self, prompt, params):
+        """Validate one request -> (token ids, params); nothing is queued yet."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params: expected SamplingParams, got {type(params).__name__}")
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            ids = list(prompt)
+            if any(not 0 <= t < self.model.cfg.vocab_size for t in ids):
+                raise ValueError(f"prompt: token ids must lie in [0, {self.model.cfg.vocab_size})")
+        else:
+            raise ValueError(f"prompt: expected a string or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("prompt: empty prompt (no tokens)")
+        if len(ids) >= self.max_seq_len:
+            raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate within max_seq_len "
+                             f"{self.max_seq_len}")
+        return ids, params
+
+    def _output(self, prompt, seq) -> Output:
+        lps = seq.logprobs if seq.params.logprobs else None
+        return Output(prompt=prompt, text=self.scheduler.output_text(seq), token_ids=seq.generated,
+                      finish_reason=seq.finish_reason,
+                      logprobs=[lp for lp, _ in lps] if lps is not None else None,
+                      top_logprobs=[top for _, top in lps] if lps is not None else None, tau=seq.tau)
+
+    def generate(self, prompts, params=None) -> list:
+        """Complete each prompt (a string, a list of token ids, or a list of either); params may be one
+        SamplingParams for all or a list, one per prompt. Returns one Output per prompt, in order."""
+        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
+        prompts = [prompts] if single else list(prompts)
+        plist = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"params: {len(plist)} SamplingParams for {len(prompts)} prompts")
+        requests = [self._prepare(p, sp) for p, sp in zip(prompts, plist)]  # all validated before any is queued
+        seqs = [self.scheduler.add(ids, sp) for ids, sp in requests]
+        while not all(s.finished for s in seqs):
+            self.scheduler.step()
+        return [self._output(p, s) for p, s in zip(prompts, seqs)]
+
+    def stream(self, prompt, params=None):
+        """Yield the completion of one prompt as text pieces, as soon as they are final."""
+        seq = self.scheduler.add(*self._prepare(prompt, params))
+        hold = max((len(s) for s in seq.params.stop), default=1) - 1  # a stop string may be forming
+        sent = 0
+        while not seq.finished:
+            self.scheduler.step()
+            text = self.scheduler.output_text(seq)
+            end = len(text) if seq.finished else len(text.rstrip("\ufffd")) - hold  # incomplete UTF-8 waits
+            if end > sent:
+                yield text[sent:end]
+                sent = end
+
+    @property
+    def stats(self) -> dict:
+        """Telemetry of SPEC §7 since the engine started."""
+        return self.telemetry.summary()

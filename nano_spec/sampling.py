@@ -1,0 +1,118 @@
+"""Sampling parameters, token picks and the verdict (SPEC §4).
+
+Greedy rows (temperature 0) use verdict_greedy; sampled rows use the lossless
+rejection rule of verdict_sample. Both stay on the device: the verdict returns
+tensors, and the runner copies them to the host once per step.
+"""
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kernels.verdict_sample import sampling_probs_ref
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 0.0      # 0: greedy
+    top_k: int = 0                # 0: off
+    top_p: float = 1.0            # 1: off
+    seed: int | None = None       # sampled requests with a seed are reproducible
+    stop: tuple = ()              # stop strings (not included in the output text)
+    stop_token_ids: tuple = ()
+    ignore_eos: bool = False
+    logprobs: int = 0             # 0: none; n >= 1: each token's logprob and the top-n alternatives
+
+    def __post_init__(self):
+        def bad(field, why):
+            raise ValueError(f"SamplingParams.{field}: {why}, got {getattr(self, field)!r}")
+
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            bad("max_new_tokens", "must be an integer >= 1")
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
+            bad("temperature", "must be a finite number >= 0")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            bad("top_k", "must be an integer >= 0")
+        if not isinstance(self.top_p, (int, float)) or not (0 < self.top_p <= 1):
+            bad("top_p", "must be in (0, 1]")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            bad("seed", "must be an integer or None")
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        if not all(isinstance(s, str) and s for s in self.stop):
+            bad("stop", "must be non-empty strings")
+        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "must be token ids >= 0")
+        if isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int) or not (0 <= self.logprobs <= 20):
+            bad("logprobs", "must be an integer in [0, 20]")
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class BatchSampling:
+    """Per-row sampling settings of one batch, as device tensors (B,)."""
+    greedy: torch.Tensor       # bool
+    temperature: torch.Tensor  # float; 1 on greedy rows (unused there)
+    top_k: torch.Tensor        # long
+    top_p: torch.Tensor        # float
+    all_greedy: bool
+
+    @classmethod
+    def of(cls, params: list, device) -> "BatchSampling":
+        greedy = [p.greedy for p in params]
+        return cls(greedy=torch.tensor(greedy, device=device),
+                   temperature=torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)],
+                                            device=device),
+                   top_k=torch.tensor([p.top_k for p in params], device=device),
+                   top_p=torch.tensor([float(p.top_p) for p in params], device=device),
+                   all_greedy=all(greedy))
+
+    def probs(self, logits):
+        """logits (B, R, V) -> the filtered distribution (B, R, V) the rows sample from."""
+        return sampling_probs_ref(logits, self.temperature, self.top_k, self.top_p)
+
+    def pick(self, logits, uniforms):
+        """One token per row from logits (B, V): argmax on greedy rows, an inverse-CDF draw with
+        uniforms (B,) on sampled rows. Returns (tokens (B,), probs (B, V) or None when all greedy)."""
+        greedy_tok = logits.float().argmax(-1)
+        if self.all_greedy:
+            return greedy_tok, None
+        probs = self.probs(logits[:, None])[:, 0]
+        cdf = probs.cumsum(-1)
+        drawn = (cdf <= uniforms[:, None] * cdf[:, -1:]).sum(-1).clamp(max=logits.shape[-1] - 1)
+        return torch.where(self.greedy, greedy_tok, drawn), probs
+
+
+def verdict(ops, logits, drafts, num_drafts, sampling: BatchSampling, draft_probs=None, uniforms=None):
+    """Judge K = drafts + 1 verified rows per sequence.
+
+    logits (B, K, V), drafts (B, K-1), num_drafts (B,) -> (na (B,), emitted (B, K)) where emitted[b, j]
+    is the token emitted at row j for j <= na[b] (accepted drafts, then the target's pick).
+    """
+    K = logits.shape[1]
+    picks, na, _ = ops.verdict_greedy(logits, drafts, num_drafts)
+    emitted = picks
+    if not sampling.all_greedy:
+        na_s, tok_s = ops.verdict_sample(logits, draft_probs, drafts, num_drafts, uniforms,
+                                         sampling.temperature, sampling.top_k, sampling.top_p)
+        j = torch.arange(K, device=logits.device)
+        padded = torch.cat([drafts, drafts.new_zeros(drafts.shape[0], 1)], dim=1)  # (B, K)
+        sampled = torch.where(j < na_s[:, None], padded, tok_s[:, None])
+        na = torch.where(sampling.greedy, na, na_s)
+        emitted = torch.where(sampling.greedy[:, None], picks, sampled)
+    return na, emitted
+
+
+def token_logprobs(logits, tokens, top_n: int):
+    """Log-probabilities under the target (log_softmax of the logits): logits (B, K, V), tokens (B, K) ->
+    (logprob (B, K), top values (B, K, n), top ids (B, K, n))."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(-1, tokens[..., None])[..., 0]
+    top = lp.topk(top_n, dim=-1) if top_n > 0 else (lp[..., :0], tokens[..., None][..., :0])
+    return chosen, top[0], top[1]

@@ -1,0 +1,82 @@
+"""Engine telemetry (SPEC §7): tau, accept_at overall and by seq_len bucket, and a
+per-phase time histogram. Time comes from an injected clock so tests can drive it.
+
+On CUDA the phases are host times: queued GPU work is charged to the phase that
+waits for it (the verdict, which copies the accept counts to the host).
+"""
+import time
+from collections import defaultdict
+
+PHASES = ("prefill", "propose", "verify", "verdict", "commit")
+SEQ_LEN_BUCKETS = (0, 128, 512, 2048, 8192)  # lower edges
+HIST_EDGES_MS = (0.1, 0.3, 1, 3, 10, 30, 100, 300, 1000)  # upper edges; one overflow bucket
+
+
+def bucket_label(seq_len: int) -> str:
+    lo = max(b for b in SEQ_LEN_BUCKETS if b <= seq_len)
+    i = SEQ_LEN_BUCKETS.index(lo)
+    hi = SEQ_LEN_BUCKETS[i + 1] if i + 1 < len(SEQ_LEN_BUCKETS) else None
+    return f"{lo}-{hi}" if hi else f"{lo}+"
+
+
+class Telemetry:
+    def __init__(self, num_drafts: int, clock=time.perf_counter):
+        self.clock = clock
+        self.num_drafts = num_drafts
+        self.phase_times = defaultdict(list)  # phase -> [seconds]
+        self.verify_steps = 0                 # (sequence, verify) pairs
+        self.emitted = 0                      # tokens emitted by verify steps, bonus included
+        self.accepted_gt = [0] * num_drafts   # steps with na > j
+        self.by_bucket = defaultdict(lambda: [0, [0] * num_drafts])  # bucket -> [steps, accepted_gt]
+
+    def phase(self, name: str):
+        return _Timer(self, name)
+
+    def record_verify(self, na: int, emitted: int, seq_len: int):
+        """One sequence's verdict: na accepted drafts, `emitted` tokens actually emitted."""
+        self.verify_steps += 1
+        self.emitted += emitted
+        b = self.by_bucket[bucket_label(seq_len)]
+        b[0] += 1
+        for j in range(min(na, self.num_drafts)):
+            self.accepted_gt[j] += 1
+            b[1][j] += 1
+
+    @property
+    def tau(self) -> float:
+        return self.emitted / self.verify_steps if self.verify_steps else 0.0
+
+    @property
+    def accept_at(self) -> list:
+        return [a / self.verify_steps if self.verify_steps else 0.0 for a in self.accepted_gt]
+
+    def histogram(self, name: str) -> list:
+        """Counts per bucket of HIST_EDGES_MS (last bucket: above the largest edge)."""
+        counts = [0] * (len(HIST_EDGES_MS) + 1)
+        for t in self.phase_times[name]:
+            ms = t * 1e3
+            counts[next((i for i, e in enumerate(HIST_EDGES_MS) if ms <= e), len(HIST_EDGES_MS))] += 1
+        return counts
+
+    def summary(self) -> dict:
+        return {
+            "tau": self.tau,
+            "accept_at": self.accept_at,
+            "verify_steps": self.verify_steps,
+            "emitted": self.emitted,
+            "accept_at_by_seq_len": {k: {"steps": s, "accept_at": [a / s for a in acc]}
+                                     for k, (s, acc) in sorted(self.by_bucket.items())},
+            "phase_seconds": {p: sum(self.phase_times[p]) for p in PHASES},
+            "phase_histogram_ms": {"edges": list(HIST_EDGES_MS), **{p: self.histogram(p) for p in PHASES}},
+        }
+
+
+class _Timer:
+    def __init__(self, tel: Telemetry, name: str):
+        self.tel, self.name = tel, name
+
+    def __enter__(self):
+        self.t0 = self.tel.clock()
+
+    def __exit__(self, *exc):
+        self.tel.phase_times[self.name].append(self.tel.clock() - self.t0)
