@@ -1,0 +1,40 @@
+"""The model and the engine on the triton backend (the interpreter on CPU) against the torch backend."""
+import pytest
+import torch
+
+from helpers import assert_close, tiny_checkpoint, tiny_model
+from nano_spec import LLM, SamplingParams
+from nano_spec.cache import HybridCache
+from nano_spec.ops import Ops
+
+pytest.importorskip("triton")
+
+
+@pytest.mark.parametrize("overrides", [{}, {"position_embedding_type": "rope", "mamba_n_groups": 1}],
+                         ids=["nope-g2", "rope-g1"])
+@torch.no_grad()
+def test_model_triton_equals_torch(overrides):
+    model = tiny_model(seed=4, **overrides)
+    ids = torch.randint(0, 67, (2, 13))
+    results = []
+    for backend in ("torch", "triton"):
+        model.ops = Ops(backend)
+        cache = HybridCache(model.cfg, 4, 32, 4)
+        hidden = [model.prefill(ids[b, :9], slot, cache) for b, slot in enumerate([3, 1])]
+        slots, lens = torch.tensor([3, 1]), torch.tensor([9, 9])
+        lg = model.verify(ids[:, 9:13], slots, lens, cache, kv_len=16)
+        o = model.mtp_step(ids[:, 9:13], cache.hidden_stash(2, 4), slots, lens, cache)
+        op = model.mtp_prefill(ids[0, 1:10], hidden[0], 3, cache)
+        results.append(dict(forward=model(ids), prefill=model.logits(hidden[1]), verify=lg, mtp_step=o,
+                            mtp_prefill=op, ssm=cache.ssm_state, conv=cache.conv_state, k=cache.k))
+    for name in results[0]:
+        assert_close(f"triton vs torch: {name}", results[0][name], results[1][name])
+
+
+def test_engine_lossless_on_triton(tmp_path):
+    ckpt = tiny_checkpoint(tmp_path / "tiny", seed=6)
+    prompts = ["def f(x):", "for i in range(3):\n", "h"]
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    plain = LLM(ckpt, backend="torch", proposer="none", max_batch=2).generate(prompts, params)
+    spec = LLM(ckpt, backend="triton", proposer="mtp", num_drafts=3, max_batch=2).generate(prompts, params)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
