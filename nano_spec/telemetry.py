@@ -23,6 +23,11 @@ class Telemetry:
     def __init__(self, num_drafts: int, clock=time.perf_counter):
         self.clock = clock
         self.num_drafts = num_drafts
+        self.reset()
+
+    def reset(self):
+        """Forget everything counted so far (e.g. after a warm-up run)."""
+        num_drafts = self.num_drafts
         self.phase_times = defaultdict(list)  # phase -> [seconds]
         self.verify_steps = 0                 # (sequence, verify) pairs
         self.emitted = 0                      # tokens emitted by verify steps, bonus included

@@ -1,0 +1,81 @@
+"""The command-line tools in a subprocess: python -m nano_spec.generate and python -m nano_spec.bench."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from helpers import tiny_checkpoint
+from nano_spec.llm import WEIGHTS_DIR
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory.mktemp("cli") / "tiny", seed=2)
+
+
+def cli(*args, module="nano_spec.generate", timeout=300):
+    r = subprocess.run([sys.executable, "-m", module, *map(str, args)], capture_output=True, text=True,
+                       timeout=timeout, env={"PYTHONPATH": "", "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+    return r.returncode, r.stdout, r.stderr
+
+
+@pytest.mark.parametrize("flags", [["--no-spec"], ["--proposer", "mtp"], ["--proposer", "ngram", "--num-drafts", "2"]],
+                         ids=["plain", "mtp", "ngram"])
+def test_generate_json_runs_end_to_end(ckpt, flags):
+    rc, out, err = cli("--model", ckpt, "--prompt", "def f(x):", "--prompt", "x = 1", "--max-new-tokens", 6,
+                       "--json", "--backend", "torch", *flags)
+    assert rc == 0, err
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [r["prompt"] for r in rows] == ["def f(x):", "x = 1"]
+    assert all(len(r["token_ids"]) <= 6 and r["finish_reason"] in ("stop", "length") for r in rows)
+
+
+def test_generate_streams_one_prompt_with_stats(ckpt):
+    rc, out, err = cli("--model", ckpt, "--prompt", "for i in", "--max-new-tokens", 5, "--stats")
+    assert rc == 0, err
+    assert out.startswith("for i in") and "tau" in err and "verify" in err
+
+
+@pytest.mark.skipif(not any(WEIGHTS_DIR.glob("*/config.json")), reason="no shipped weights yet")
+def test_generate_with_no_arguments_uses_the_shipped_weights():
+    rc, out, err = cli("--max-new-tokens", 8)
+    assert rc == 0, err
+    assert out.strip()
+
+
+def test_user_errors_exit_2_without_traceback(ckpt, tmp_path):
+    bad_utf8 = tmp_path / "bad.txt"
+    bad_utf8.write_bytes(b"\xff\xfe\x00 prompt\n")
+    cases = {
+        ("--model", tmp_path / "missing"): "not a checkpoint directory",
+        ("--model", ckpt, "--temperature", "-1"): "SamplingParams.temperature",
+        ("--model", ckpt, "--top-p", "0"): "SamplingParams.top_p",
+        ("--model", ckpt, "--max-new-tokens", "0"): "SamplingParams.max_new_tokens",
+        ("--model", ckpt, "--num-drafts", "-2"): "num_drafts",
+        ("--model", ckpt, "--prompts-file", tmp_path / "none.txt"): "cannot read",
+        ("--model", ckpt, "--prompts-file", bad_utf8): "not UTF-8",
+        ("--model", ckpt, "--max-seq-len", "8", "--prompt", "x " * 30): "max_seq_len 8",
+        ("--model", ckpt, "--prompt", ""): "empty prompt",
+        ("--model", ckpt, "--dtype", "int8"): "dtype",
+        ("--model", ckpt, "--device", "cuda:7") if not __import__("torch").cuda.is_available() else
+        ("--model", ckpt, "--device", "nope"): "device",
+    }
+    for args, message in cases.items():
+        rc, out, err = cli(*args)
+        assert rc == 2, (args, err)
+        assert message in err and "Traceback" not in err, (args, err)
+        assert len(err.strip().splitlines()) == 1, err
+
+
+def test_bench_tiny_setting_json(ckpt, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["def f(x):", "x = 1", "for"]))
+    rc, out, err = cli("--model", ckpt, "--prompts-file", prompts, "--max-new-tokens", 5, "--gammas", 1, 2,
+                       "--batch", 1, 2, "--backend", "torch", module="nano_spec.bench")
+    assert rc == 0, err
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["identical"] is True
+    assert {(r["proposer"], r["gamma"], r["batch"]) for r in result["rows"]} == {
+        ("none", 0, 1), ("none", 0, 2), ("mtp", 1, 1), ("mtp", 2, 1), ("mtp", 1, 2), ("mtp", 2, 2),
+        ("ngram", 2, 1), ("ngram", 2, 2)}
