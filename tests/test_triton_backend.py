@@ -13,15 +13,15 @@ pytest.importorskip("triton")
 @pytest.mark.parametrize("overrides", [{}, {"position_embedding_type": "rope", "mamba_n_groups": 1}],
                          ids=["nope-g2", "rope-g1"])
 @torch.no_grad()
-def test_model_triton_equals_torch(overrides):
-    model = tiny_model(seed=4, **overrides)
-    ids = torch.randint(0, 67, (2, 13))
+def test_model_triton_equals_torch(overrides, device):
+    model = tiny_model(seed=4, **overrides).to(device)
+    ids = torch.randint(0, 67, (2, 13), device=device)
     results = []
     for backend in ("torch", "triton"):
         model.ops = Ops(backend)
-        cache = HybridCache(model.cfg, 4, 32, 4)
+        cache = HybridCache(model.cfg, 4, 32, 4, device=device)
         hidden = [model.prefill(ids[b, :9], slot, cache) for b, slot in enumerate([3, 1])]
-        slots, lens = torch.tensor([3, 1]), torch.tensor([9, 9])
+        slots, lens = torch.tensor([3, 1], device=device), torch.tensor([9, 9], device=device)
         lg = model.verify(ids[:, 9:13], slots, lens, cache, kv_len=16)
         o = model.mtp_step(ids[:, 9:13], cache.hidden_stash(2, 4), slots, lens, cache)
         op = model.mtp_prefill(ids[0, 1:10], hidden[0], 3, cache)
@@ -31,10 +31,10 @@ def test_model_triton_equals_torch(overrides):
         assert_close(f"triton vs torch: {name}", results[0][name], results[1][name])
 
 
-def test_engine_lossless_on_triton(tmp_path):
+def test_engine_lossless_on_triton(tmp_path, device):
     ckpt = tiny_checkpoint(tmp_path / "tiny", seed=6)
     prompts = ["def f(x):", "for i in range(3):\n", "h"]
     params = SamplingParams(max_new_tokens=10, ignore_eos=True)
-    plain = LLM(ckpt, backend="torch", proposer="none", max_batch=2).generate(prompts, params)
-    spec = LLM(ckpt, backend="triton", proposer="mtp", num_drafts=3, max_batch=2).generate(prompts, params)
+    plain = LLM(ckpt, backend="torch", device=device, proposer="none", max_batch=2).generate(prompts, params)
+    spec = LLM(ckpt, backend="triton", device=device, proposer="mtp", num_drafts=3, max_batch=2).generate(prompts, params)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The GPU check, for a machine with a CUDA GPU where torch, triton, pytest and
+# pytest-benchmark are installed and nothing can be downloaded. Each step is
+# bounded in time (about 8 minutes in all); a summary goes to $OUT/summary.txt
+# when OUT is set (else /tmp/nano_spec_gpu_check) and to stdout.
+#   1. the kernel tests, compiled (not interpreted), and the model on the triton backend
+#   2. the lossless tests on CUDA (the engine picks the triton backend there)
+#   3. the kernel benchmarks (GB/s and % of HBM peak)
+#   4. the end-to-end bench on the shipped weights
+set -u
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+unset TRITON_INTERPRET
+dir="${OUT:-/tmp/nano_spec_gpu_check}"
+mkdir -p "$dir"
+summary="$dir/summary.txt"
+: > "$summary"
+
+step() {  # step NAME SECONDS COMMAND...
+  local name=$1 limit=$2 start rc
+  shift 2
+  start=$(date +%s)
+  timeout "$limit" "$@" > "$dir/$name.log" 2>&1
+  rc=$?
+  {
+    echo "== $name: exit $rc in $(( $(date +%s) - start )) s (limit $limit s): $*"
+    tail -n "${TAIL:-45}" "$dir/$name.log"
+    echo
+  } | tee -a "$summary"
+}
+
+python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" 2>&1 | tee -a "$summary"
+step kernel_tests 170 python -m pytest -q -x tests/test_kernels_mamba.py tests/test_kernels_attention.py \
+  tests/test_kernels_verdict.py tests/test_triton_backend.py
+step lossless 120 python -m pytest -q -x tests/test_engine.py -k "lossless or batch_invariance or admission"
+step kernel_bench 110 python -m tests.bench
+step e2e_bench 80 python -m nano_spec.bench --num-prompts 8 --max-new-tokens 48 --batch 1 8
