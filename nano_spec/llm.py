@@ -1,10 +1,13 @@
 """The Python API: LLM(...).generate(prompts, params) and LLM(...).stream(prompt, params)."""
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from nano_spec.cache import cache_bytes
+from nano_spec.config import ModelConfig
 from nano_spec.ops import resolve_backend
 from nano_spec.proposers import make_proposer
 from nano_spec.runner import ModelRunner
@@ -17,6 +20,33 @@ from nano_spec.weights import load_model
 WEIGHTS_DIR = Path(__file__).resolve().parent.parent / "weights"
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
+
+
+def available_bytes(device: torch.device) -> int:
+    """Free memory on the device the caches will live on."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_memory(cfg: ModelConfig, max_batch: int, max_seq_len: int, num_drafts: int, dtype, budget: int):
+    """Refuse, before allocating anything, caches and stashes that do not fit in the budget."""
+    K = num_drafts + 1
+    parts = cache_bytes(cfg, max_batch, max_seq_len + 2 * K, max_batch, K, dtype)
+    parts["draft_probs"] = max_batch * num_drafts * cfg.vocab_size * 4  # allocated on the first sampled request
+    need = sum(parts.values())
+    if need > budget:
+        detail = ", ".join(f"{k} {_size(v)}" for k, v in parts.items() if v)
+        raise ValueError(f"memory: max_batch={max_batch}, max_seq_len={max_seq_len}, K={K} need {_size(need)} of "
+                         f"caches ({detail}) but the budget is {_size(budget)}; lower max_batch or max_seq_len")
+    return need
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
 
 
 def shipped_weights() -> Path:
@@ -36,12 +66,13 @@ class Output:
     logprobs: list | None            # per token, its log-probability under the target
     top_logprobs: list | None        # per token, {token_id: logprob} of the top-n
     tau: float                       # tokens emitted per verify step for this request
+    error: str | None = None         # what failed, when finish_reason is "error"
 
 
 class LLM:
     def __init__(self, model=None, backend: str = "auto", device: str = "auto", dtype=None, max_batch: int = 8,
                  num_drafts: int = 3, proposer: str = "auto", max_seq_len: int | None = None,
-                 clock=time.perf_counter):
+                 memory_budget: int | None = None, clock=time.perf_counter):
         path = Path(model) if model is not None else shipped_weights()
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -59,13 +90,18 @@ class LLM:
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or not 1 <= max_batch <= 1024:
             raise ValueError(f"max_batch: {max_batch!r} must be an integer in [1, 1024]")
         backend = resolve_backend(backend, device)
-        self.model = load_model(path, device=device, dtype=dtype, backend=backend)
-        cfg = self.model.cfg
-        self.tokenizer = Tokenizer(path, cfg)
+        # everything that can be refused is checked before the weights are read or caches allocated
+        if not path.is_dir():
+            raise ValueError(f"model: {path} is not a checkpoint directory")
+        cfg = ModelConfig.from_file(path / "config.json")
         self.proposer = make_proposer(proposer, num_drafts, cfg.has_mtp)
         max_seq_len = cfg.max_position_embeddings if max_seq_len is None else max_seq_len
         if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 2:
             raise ValueError(f"max_seq_len: {max_seq_len!r} must be an integer >= 2")
+        budget = int(0.9 * available_bytes(device)) if memory_budget is None else memory_budget
+        self.cache_bytes = check_memory(cfg, max_batch, max_seq_len, self.proposer.num_drafts, dtype, budget)
+        self.model = load_model(path, device=device, dtype=dtype, backend=backend)
+        self.tokenizer = Tokenizer(path, cfg)
         self.max_seq_len = max_seq_len
         self.backend, self.device = backend, device
         self.telemetry = Telemetry(self.proposer.num_drafts, clock)
@@ -98,7 +134,8 @@ class LLM:
         return Output(prompt=prompt, text=self.scheduler.output_text(seq), token_ids=seq.generated,
                       finish_reason=seq.finish_reason,
                       logprobs=[lp for lp, _ in lps] if lps is not None else None,
-                      top_logprobs=[top for _, top in lps] if lps is not None else None, tau=seq.tau)
+                      top_logprobs=[top for _, top in lps] if lps is not None else None, tau=seq.tau,
+                      error=seq.error)
 
     def generate(self, prompts, params=None) -> list:
         """Complete each prompt (a string, a list of token ids, or a list of either); params may be one
@@ -115,17 +152,21 @@ class LLM:
         return [self._output(p, s) for p, s in zip(prompts, seqs)]
 
     def stream(self, prompt, params=None):
-        """Yield the completion of one prompt as text pieces, as soon as they are final."""
+        """Yield the completion of one prompt as text pieces, as soon as they are final.
+        Closing the generator early cancels the request and frees its slot."""
         seq = self.scheduler.add(*self._prepare(prompt, params))
         hold = max((len(s) for s in seq.params.stop), default=1) - 1  # a stop string may be forming
         sent = 0
-        while not seq.finished:
-            self.scheduler.step()
-            text = self.scheduler.output_text(seq)
-            end = len(text) if seq.finished else len(text.rstrip("\ufffd")) - hold  # incomplete UTF-8 waits
-            if end > sent:
-                yield text[sent:end]
-                sent = end
+        try:
+            while not seq.finished:
+                self.scheduler.step()
+                text = self.scheduler.output_text(seq)
+                end = len(text) if seq.finished else len(text.rstrip("\ufffd")) - hold  # incomplete UTF-8 waits
+                if end > sent:
+                    yield text[sent:end]
+                    sent = end
+        finally:
+            self.scheduler.abort(seq)
 
     @property
     def stats(self) -> dict:

@@ -2,7 +2,7 @@
 
     num_drafts                      γ, the drafts per step (K = γ + 1 verified rows)
     after_prefill(runner, seq, hidden, first_token)    drafts for a newly admitted sequence
-    after_verify(runner, seqs, active)                 drafts for the next step, after the commit
+    after_verify(runner, seqs, rows)                   drafts for the next step of seqs[i], i in rows
 
 `none`  plain decoding (γ = 0).
 `ngram` prompt lookup: the continuation of the latest earlier occurrence of the
@@ -21,7 +21,7 @@ class NoProposer:
     def after_prefill(self, runner, seq, hidden, first_token):
         pass
 
-    def after_verify(self, runner, seqs, active):
+    def after_verify(self, runner, seqs, rows):
         pass
 
 
@@ -42,8 +42,8 @@ class NgramProposer:
     def after_prefill(self, runner, seq, hidden, first_token):
         runner.set_drafts([seq], [self.lookup(seq.tokens)])
 
-    def after_verify(self, runner, seqs, active):
-        live = [s for s, a in zip(seqs, active) if a]
+    def after_verify(self, runner, seqs, rows):
+        live = [seqs[i] for i in rows]
         runner.set_drafts(live, [self.lookup(s.tokens) for s in live])
 
 
@@ -61,16 +61,17 @@ class MTPProposer:
         u = None if sampling.all_greedy else runner.uniforms([seq], self.num_drafts)
         self._draft(runner, slots, o[-1:], pos, sampling, u, kv_len=T + self.num_drafts)
 
-    def after_verify(self, runner, seqs, active):
+    def after_verify(self, runner, seqs, rows):
         """Catch-up over the K verified rows at MTP positions seq_len.., next tokens = the emitted row;
         rows past na are computed but lie beyond the new frontier and are overwritten later."""
-        st, model = runner.step_state, runner.model
-        B = st.slots.shape[0]
-        o = model.mtp_step(st.emitted, runner.cache.hidden_stash(B, runner.K), st.slots, st.seq_lens,
-                           runner.cache, st.kv_len)  # (B, K, D)
-        seed = model.ops.gather_rows(o, st.na)  # (B, D): the row of the last accepted position
-        u = None if st.uniforms is None else st.uniforms[:, runner.K :]
-        self._draft(runner, st.slots, seed, st.seq_lens + st.na + 1, st.sampling, u, st.kv_len)
+        st, model, K = runner.step_state, runner.model, runner.K
+        idx = runner._tensor(rows)
+        hidden = runner.cache.hidden_stash(st.slots.shape[0], K)[idx]  # (R, K, D)
+        slots, seq_lens, na = st.slots[idx], st.seq_lens[idx], st.na[idx]
+        o = model.mtp_step(st.emitted[idx], hidden, slots, seq_lens, runner.cache, st.kv_len)  # (R, K, D)
+        seed = model.ops.gather_rows(o, na)  # (R, D): the row of the last accepted position
+        u = None if st.uniforms is None else st.uniforms[idx, K:]
+        self._draft(runner, slots, seed, seq_lens + na + 1, st.sampling.select(idx), u, st.kv_len)
 
     def _draft(self, runner, slots, o, pos, sampling, uniforms, kv_len):
         """o (B, D): the MTP output at position pos-1 -> γ drafts into the slots' buffers.

@@ -133,38 +133,50 @@ class ModelRunner:
             out.append(RowResult(na=n, tokens=toks, logprobs=lp, ok=bool(row[-1])))
         return out
 
-    # ---- 3. commit ----------------------------------------------------------------------
-    @torch.no_grad()
-    def commit(self, active: list) -> list:
-        """Roll every Mamba layer of each active sequence back to its accepted prefix (SPEC §4.3).
-
-        One launch for all layers and sequences; if it fails, each sequence is retried alone so a
-        failure ends only the sequence it belongs to. Returns per-row success.
-        """
-        st = self.step_state
-        B = st.slots.shape[0]
-        args = (self.cache.ssm_state, self.cache.conv_state, self.cache.ssm_stash(B, self.K),
-                self.cache.conv_stash(B, self.K), st.slots, st.na)
+    # ---- 3. commit, 4. propose: batched, with per-sequence fault isolation ----------------
+    def _isolated(self, fn, seqs, active: list) -> list:
+        """Run fn(rows) on all active rows at once; if that raises, retry each row alone so a fault
+        ends only the sequence it belongs to. Returns per-row success; failures are noted on the seq."""
+        rows = [i for i, a in enumerate(active) if a]
+        if not rows:
+            return list(active)
         try:
-            self.model.ops.commit_state(*args, self._tensor(active, torch.bool))
+            fn(rows)
             return list(active)
         except Exception:
-            ok = []
-            for b, a in enumerate(active):
+            ok = [False] * len(active)
+            for i in rows:
                 try:
-                    if a:
-                        self.model.ops.commit_state(*args, self._tensor([i == b for i in range(B)], torch.bool))
-                    ok.append(a)
-                except Exception:
-                    ok.append(False)
+                    fn([i])
+                    ok[i] = True
+                except Exception as e:  # the sequence ends with finish_reason "error" and this message
+                    seqs[i].error = f"{fn.__name__}: {type(e).__name__}: {e}"
             return ok
 
-    # ---- 4. propose -------------------------------------------------------------------
     @torch.no_grad()
-    def propose(self, seqs, active: list):
-        """Draft the next rows of the sequences that are still running."""
-        if self.gamma:
-            self.proposer.after_verify(self, seqs, active)
+    def commit(self, seqs, active: list) -> list:
+        """Roll every Mamba layer of each active sequence back to its accepted prefix (SPEC §4.3):
+        one launch for all layers and sequences. Returns per-row success."""
+        st = self.step_state
+        B = st.slots.shape[0]
+
+        def commit_state(rows):
+            mask = self._tensor([i in rows for i in range(B)], torch.bool)
+            self.model.ops.commit_state(self.cache.ssm_state, self.cache.conv_state, self.cache.ssm_stash(B, self.K),
+                                        self.cache.conv_stash(B, self.K), st.slots, st.na, mask)
+
+        return self._isolated(commit_state, seqs, active)
+
+    @torch.no_grad()
+    def propose(self, seqs, active: list) -> list:
+        """Draft the next rows of the sequences still running. Returns per-row success."""
+        if not self.gamma:
+            return list(active)
+
+        def propose(rows):
+            self.proposer.after_verify(self, seqs, rows)
+
+        return self._isolated(propose, seqs, active)
 
     def set_drafts(self, seqs, drafts: list):
         """Host-side drafts (one list per sequence, up to γ tokens) into the per-slot buffers."""

@@ -73,6 +73,11 @@ class BatchSampling:
                    top_p=torch.tensor([float(p.top_p) for p in params], device=device),
                    all_greedy=all(greedy))
 
+    def select(self, idx) -> "BatchSampling":
+        """The rows idx; all_greedy is kept from the whole batch (deciding it again would need a sync)."""
+        return BatchSampling(self.greedy[idx], self.temperature[idx], self.top_k[idx], self.top_p[idx],
+                             self.all_greedy)
+
     def probs(self, logits):
         """logits (B, R, V) -> the filtered distribution (B, R, V) the rows sample from."""
         return sampling_probs_ref(logits, self.temperature, self.top_k, self.top_p)

@@ -23,7 +23,8 @@ class Sequence:
     tokens: list                     # prompt + emitted
     params: SamplingParams
     slot: int | None = None
-    finish_reason: str | None = None  # "stop", "length" or "error"
+    finish_reason: str | None = None  # "stop", "length" or "error" ("cancelled" for an aborted stream)
+    error: str | None = None         # what went wrong, when finish_reason is "error"
     text: str | None = None          # set when a stop string cut the text
     logprobs: list = field(default_factory=list)
     verify_steps: int = 0
@@ -61,6 +62,17 @@ class Scheduler:
         self.waiting.append(seq)
         return seq
 
+    def abort(self, seq: Sequence):
+        """Cancel a request mid-flight: it leaves the queue or the batch and its slot is freed."""
+        if seq.finished:
+            return
+        self._finish(seq, "cancelled")
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        self._release(seq)
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -77,9 +89,13 @@ class Scheduler:
         while self.waiting and self.free_slots:
             seq = self.waiting.popleft()
             seq.slot = self.free_slots.pop(0)
-            with self.tel.phase("prefill"):
-                result = self.runner.prefill(seq)
-            if not result.ok:
+            try:
+                with self.tel.phase("prefill"):
+                    result = self.runner.prefill(seq)
+            except Exception as e:  # a fault in one admission ends that request only
+                seq.error, result = f"prefill: {type(e).__name__}: {e}", None
+            if result is None or not result.ok:
+                seq.error = seq.error or "non-finite logits"
                 self._finish(seq, "error")
             else:
                 self._emit(seq, result.tokens[0], result.logprobs[0] if result.logprobs else None)
@@ -100,24 +116,28 @@ class Scheduler:
         active = []
         for seq, r in zip(batch, results):
             if not r.ok:  # non-finite logits: this sequence ends, the others go on
+                seq.error = "non-finite logits"
                 self._finish(seq, "error")
             else:
                 self._apply(seq, r)
             active.append(not seq.finished)
         with self.tel.phase("commit"):
-            committed = self.runner.commit(active)
-        for seq, a, ok in zip(batch, active, committed):
-            if a and not ok:
-                self._finish(seq, "error")
-        active = [a and ok for a, ok in zip(active, committed)]
+            active = self._keep(batch, active, self.runner.commit(batch, active))
         if any(active):
             with self.tel.phase("propose"):
-                self.runner.propose(batch, active)
+                self._keep(batch, active, self.runner.propose(batch, active))
         for seq in batch:
             if seq.finished:
                 self._release(seq)
         self.running = [s for s in self.running if not s.finished]
         return batch
+
+    def _keep(self, batch, active, ok) -> list:
+        """Sequences whose commit or propose failed end with an error; the others go on."""
+        for seq, a, good in zip(batch, active, ok):
+            if a and not good:
+                self._finish(seq, "error")
+        return [a and good for a, good in zip(active, ok)]
 
     def _apply(self, seq: Sequence, r):
         """Emit drafts[0..na) then v[na], one at a time, until one finishes the sequence."""

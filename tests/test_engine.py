@@ -36,8 +36,8 @@ class OracleProposer:
     def after_prefill(self, runner, seq, hidden, first_token):
         runner.set_drafts([seq], [self._drafts(seq)])
 
-    def after_verify(self, runner, seqs, active):
-        live = [s for s, a in zip(seqs, active) if a]
+    def after_verify(self, runner, seqs, rows):
+        live = [seqs[i] for i in rows]
         runner.set_drafts(live, [self._drafts(s) for s in live])
 
 
