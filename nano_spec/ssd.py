@@ -10,10 +10,10 @@ matrix costs O(T^2); SSD cuts T into chunks of l tokens, does the quadratic form
 chunk (matmuls, which autograd and BLAS like) and passes one (P, N) state per head between
 chunks. That is what makes training fast where the reference's Python loop over T is not.
 
-Shapes (SPEC §1; here C is also the conv width, Cm the C projection):
+Shapes (SPEC §1; the C projection is called Cm so that C stays conv_dim):
     T   tokens                 l   chunk length (chunk_size)     c   chunks = ceil(T / l)
     C   conv_dim = H*P + 2*G*N     W   conv width
-    H, P, N, G   Mamba heads, head dim, state size, groups
+    H, P, N, G   Mamba heads, head dim, state size, groups;  R = H / G heads per group (h = g*R + r)
 """
 import torch
 import torch.nn.functional as F
@@ -26,8 +26,8 @@ INF = float("inf")
 def segsum(a):
     """a (..., l) -> (..., l, l) with out[i, j] = a[j+1] + ... + a[i] for i >= j, -inf above the diagonal.
 
-    Summing masked copies (not differences of one cumsum) keeps every entry a sum of
-    non-positive terms, so exp() of it never over- or underflows into inf - inf.
+    Summing masked copies, rather than subtracting two entries of one long cumsum, keeps every
+    entry a sum of its own few terms: no cancellation error, and no inf - inf where it is masked.
     """
     l = a.shape[-1]
     rep = a[..., None].expand(*a.shape, l)  # rep[..., i, j] = a[i]
