@@ -53,13 +53,16 @@ def ssm_step_ref(state, x, B, C, dt, A, D):
     state (..., H, P, N) fp32, x (..., H, P), B and C (..., G, N), dt (..., H) fp32, A and D (H,).
     Returns (new state, y (..., H, P)), both fp32.
     """
-    H, G = x.shape[-2], B.shape[-2]
-    Bh = B.float().repeat_interleave(H // G, dim=-2)  # (..., H, N)
-    Ch = C.float().repeat_interleave(H // G, dim=-2)
+    *lead, H, P, N = state.shape
+    G = B.shape[-2]
     xf = x.float()
+    # heads viewed as (G, H/G) so B and C broadcast over the heads of their group without copies
+    Bg = B.float().reshape(*lead, G, 1, 1, N)
+    Cg = C.float().reshape(*lead, G, 1, N, 1)
     decay = torch.exp(dt * A)[..., None, None]  # (..., H, 1, 1)
-    state = decay * state + (dt[..., None] * xf)[..., None] * Bh[..., None, :]
-    y = (state * Ch[..., None, :]).sum(-1) + D.float()[:, None] * xf
+    upd = (dt[..., None] * xf).reshape(*lead, G, H // G, P, 1) * Bg  # (..., G, H/G, P, N)
+    state = decay * state + upd.reshape(*lead, H, P, N)
+    y = (state.reshape(*lead, G, H // G, P, N) @ Cg).reshape(*lead, H, P) + D.float()[:, None] * xf
     return state, y
 
 
