@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import apply_rope_ref
+from kernels.common import apply_rope_ref, online_softmax_step
 
 
 @triton.jit
@@ -106,12 +106,7 @@ def _prefill_attention_kernel(
         b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC) * scale  # (BLOCK_M, BLOCK_N)
         m_s = (o_kn[None, :] <= o_m[:, None]) & m_kn[None, :]
         b_s = tl.where(m_s, b_s, float("-inf"))
-        b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
-        b_alpha = tl.exp(b_m - b_m_new)
-        b_p = tl.exp(b_s - b_m_new[:, None])
-        b_l = b_l * b_alpha + tl.sum(b_p, 1)
-        b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision=DOT_PREC)
-        b_m = b_m_new
+        b_m, b_l, b_acc = online_softmax_step(b_s, b_v, b_m, b_l, b_acc, DOT_PREC)
 
     b_o = b_acc / b_l[:, None]
     p_o_blk = p_o + o_m[:, None] * s_o_t + i_hq * s_o_h + o_d[None, :]

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from kernels.attention_prefill import _check, _dot_precision, _inv_freq, _pow2, _rope_load
-from kernels.common import apply_rope_ref
+from kernels.common import apply_rope_ref, online_softmax_step
 
 
 @triton.jit
@@ -74,12 +74,7 @@ def _verify_attention_kernel(
         b_v = tl.load(p_vc_head + o_kn[:, None] * s_vc_t + o_d[None, :], mask=m_kv, other=0.0)
         b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC) * scale  # (BLOCK_M, BLOCK_N)
         b_s = tl.where(m_kn[None, :], b_s, float("-inf"))
-        b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
-        b_alpha = tl.exp(b_m - b_m_new)
-        b_p = tl.exp(b_s - b_m_new[:, None])
-        b_l = b_l * b_alpha + tl.sum(b_p, 1)
-        b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision=DOT_PREC)
-        b_m = b_m_new
+        b_m, b_l, b_acc = online_softmax_step(b_s, b_v, b_m, b_l, b_acc, DOT_PREC)
 
     # new keys: split 0 rotates the K new rows, appends them to the cache and attends to them causally
     if i_s == 0:
@@ -97,12 +92,7 @@ def _verify_attention_kernel(
         tl.store(p_vc_head + o_pos[:, None] * s_vc_t + o_d[None, :], b_vn, mask=m_st)
         b_s = tl.dot(b_q, tl.trans(b_kn), input_precision=DOT_PREC) * scale  # (BLOCK_M, K_PAD)
         b_s = tl.where((o_j[None, :] <= o_jq[:, None]) & m_j[None, :], b_s, float("-inf"))
-        b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
-        b_alpha = tl.exp(b_m - b_m_new)
-        b_p = tl.exp(b_s - b_m_new[:, None])
-        b_l = b_l * b_alpha + tl.sum(b_p, 1)
-        b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_vn.dtype), b_vn, input_precision=DOT_PREC)
-        b_m = b_m_new
+        b_m, b_l, b_acc = online_softmax_step(b_s, b_vn, b_m, b_l, b_acc, DOT_PREC)
 
     m_out = m_r[:, None] & m_d[None, :]
     if SPLITS == 1:

@@ -1,9 +1,35 @@
-"""Small pieces shared by several references: RoPE and the Mamba2 time step.
+"""Small pieces shared by several kernels: RoPE, the Mamba2 time step, the conv, one
+SSM step (torch, for the references) and softplus and the online-softmax update
+(Triton, for the kernels).
 
 Shapes use the glossary of SPEC §1: T tokens, H Mamba heads, Dh head dim.
 """
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def softplus(x):
+    # torch's softplus: x above the threshold 20, else log1p(exp(x)); log1p written
+    # the accurate way (u * log(w) / (w - 1)) because log(1 + u) loses tiny u.
+    u = tl.exp(tl.minimum(x, 20.0))
+    w = 1.0 + u
+    lp = tl.where(w == 1.0, u, tl.log(w) * u / (w - 1.0))
+    return tl.where(x > 20.0, x, lp)
+
+
+@triton.jit
+def online_softmax_step(b_s, b_v, b_m, b_l, b_acc, DOT_PREC: tl.constexpr):
+    """Fold one block of scores b_s (M, N) and values b_v (N, Dh) into the running row max b_m (M,),
+    the running sum b_l (M,) and the unnormalised output b_acc (M, Dh) of flash attention."""
+    b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
+    b_alpha = tl.exp(b_m - b_m_new)  # rescales what was summed under the old max
+    b_p = tl.exp(b_s - b_m_new[:, None])
+    b_l = b_l * b_alpha + tl.sum(b_p, 1)
+    b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision=DOT_PREC)
+    return b_m_new, b_l, b_acc
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float):

@@ -31,19 +31,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import conv_silu_ref, mamba_dt_ref, split_xbc, ssm_step_ref
+from kernels.common import conv_silu_ref, mamba_dt_ref, softplus, split_xbc, ssm_step_ref
 
 INF = float("inf")
 CHUNK = 32  # Q: tokens per chunk of the SSD form (tl.dot wants >= 16; 64 spills on sm_90 with N = 128)
-
-
-@triton.jit
-def _softplus(x):
-    # torch's softplus: x above the threshold 20, else log1p(exp(x)) (log1p the accurate way)
-    u = tl.exp(tl.minimum(x, 20.0))
-    w = 1.0 + u
-    lp = tl.where(w == 1.0, u, tl.log(w) * u / (w - 1.0))
-    return tl.where(x > 20.0, x, lp)
 
 
 @triton.jit
@@ -119,7 +110,7 @@ def _mamba_scan_recurrent_kernel(
         b_x = b_x / (1.0 + tl.exp(-b_x))  # SiLU
         b_B = b_B / (1.0 + tl.exp(-b_B))
         b_C = b_C / (1.0 + tl.exp(-b_C))
-        b_dt = _softplus(tl.load(p_dt + t * stride_dt + i_h).to(tl.float32) + b_dt_bias)
+        b_dt = softplus(tl.load(p_dt + t * stride_dt + i_h).to(tl.float32) + b_dt_bias)
         b_dt = tl.minimum(tl.maximum(b_dt, dt_lo), dt_hi)
         b_s = tl.exp(b_dt * b_A) * b_s + (b_dt * b_x)[:, None] * b_B[None, :]
         b_y = tl.sum(b_s * b_C[None, :], axis=1) + b_D * b_x
@@ -162,7 +153,7 @@ def _mamba_scan_chunked_kernel(
         b_x = _conv_silu_tokens(p_xbc, stride_t, o_t, m_t, o_cx, m_p, p_conv_w, p_conv_b, HAS_BIAS, W)  # (Q, BLOCK_P)
         b_B = _conv_silu_tokens(p_xbc, stride_t, o_t, m_t, o_cb, m_n, p_conv_w, p_conv_b, HAS_BIAS, W)  # (Q, BLOCK_N)
         b_C = _conv_silu_tokens(p_xbc, stride_t, o_t, m_t, o_cc, m_n, p_conv_w, p_conv_b, HAS_BIAS, W)  # (Q, BLOCK_N)
-        b_dt = _softplus(tl.load(p_dt + o_t * stride_dt + i_h, mask=m_t, other=0.0).to(tl.float32) + b_dt_bias)
+        b_dt = softplus(tl.load(p_dt + o_t * stride_dt + i_h, mask=m_t, other=0.0).to(tl.float32) + b_dt_bias)
         b_dt = tl.where(m_t, tl.minimum(tl.maximum(b_dt, dt_lo), dt_hi), 0.0)  # (Q,): padding tokens: dt = 0
         b_a = b_dt * b_A  # (Q,) log decays; 0 on padding, so the chunk total is exact
         b_acum = tl.cumsum(b_a, axis=0)  # (Q,)

@@ -28,19 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import conv_silu_ref, mamba_dt_ref, split_xbc, ssm_step_ref
+from kernels.common import conv_silu_ref, mamba_dt_ref, softplus, split_xbc, ssm_step_ref
 
 INF = float("inf")
-
-
-@triton.jit
-def _softplus(x):
-    # torch's softplus: x above the threshold 20, else log1p(exp(x)); log1p written
-    # the accurate way (u * log(w) / (w - 1)) because log(1 + u) loses tiny u.
-    u = tl.exp(tl.minimum(x, 20.0))
-    w = 1.0 + u
-    lp = tl.where(w == 1.0, u, tl.log(w) * u / (w - 1.0))
-    return tl.where(x > 20.0, x, lp)
 
 
 @triton.jit
@@ -128,7 +118,7 @@ def _mamba_verify_kernel(
         b_x = _conv_silu_row(p_cs, p_xb, stride_xk, o_cx, m_p, b_wx, b_bx, j, Wm1, BLOCK_W)
         b_B = _conv_silu_row(p_cs, p_xb, stride_xk, o_cb, m_n, b_wb, b_bb, j, Wm1, BLOCK_W)
         b_C = _conv_silu_row(p_cs, p_xb, stride_xk, o_cc, m_n, b_wc, b_bc, j, Wm1, BLOCK_W)
-        b_dt = _softplus(tl.load(p_dt + i_b * stride_db + j * stride_dk + i_h).to(tl.float32) + b_dt_bias)
+        b_dt = softplus(tl.load(p_dt + i_b * stride_db + j * stride_dk + i_h).to(tl.float32) + b_dt_bias)
         b_dt = tl.minimum(tl.maximum(b_dt, dt_lo), dt_hi)
         # S = exp(dt A) S + (dt x) B^T ;  y = S C + D x   (same operation order as ssm_step_ref)
         b_s = tl.exp(b_dt * b_A) * b_s + (b_dt * b_x)[:, None] * b_B[None, :]

@@ -33,6 +33,16 @@ import triton.language as tl
 
 
 @triton.jit
+def _chosen_weights(p_p, p_q, o_t, o_q, o_x, m_x, b_resid, K: tl.constexpr):
+    """The weights the token is drawn from, one V block: max(0, p - q) after a rejection, else p."""
+    b_w = tl.load(p_p + o_t[:, None] + o_x[None, :], mask=m_x, other=0.0)
+    if K > 1:
+        b_qv = tl.load(p_q + o_q[:, None] + o_x[None, :], mask=m_x & b_resid[:, None], other=0.0).to(tl.float32)
+        b_w = tl.where(b_resid[:, None], tl.maximum(b_w - b_qv, 0.0), b_w)
+    return b_w
+
+
+@triton.jit
 def _verdict_sample_kernel(
     p_p, p_q, p_drafts, p_nd, p_u, p_na, p_tok, B, V,
     s_q_b, s_q_k, s_d_b, s_d_k, s_u_b, s_u_k,
@@ -60,6 +70,7 @@ def _verdict_sample_kernel(
     o_t = o_prow + b_na * V  # offset of p[b, na]
     o_v = tl.arange(0, BLOCK_V)
     b_resid = b_na < b_nd  # a rejection happened: draw from the residual max(0, p - q)
+    o_q = o_t  # no draft rows when K = 1; a placeholder the helper never reads
     if K > 1:
         o_q = o_b * s_q_b + tl.minimum(b_na, K - 2) * s_q_k  # offset of q[b, min(na, K-2)]
         # 1. does the residual have mass? (order-free: every term is >= 0)
@@ -78,10 +89,7 @@ def _verdict_sample_kernel(
     for start in range(0, V, BLOCK_V):
         o_x = start + o_v
         m_x = m_b[:, None] & (o_x < V)[None, :]
-        b_w = tl.load(p_p + o_t[:, None] + o_x[None, :], mask=m_x, other=0.0)
-        if K > 1:
-            b_qv = tl.load(p_q + o_q[:, None] + o_x[None, :], mask=m_x & b_resid[:, None], other=0.0).to(tl.float32)
-            b_w = tl.where(b_resid[:, None], tl.maximum(b_w - b_qv, 0.0), b_w)
+        b_w = _chosen_weights(p_p, p_q, o_t, o_q, o_x, m_x, b_resid, K)
         b_c += tl.max(tl.cumsum(b_w, 1), 1)  # = the block's last prefix (w >= 0), as pass 3 sees it
     b_thresh = tl.load(p_u + o_b * s_u_b + (K - 1) * s_u_k, mask=m_b, other=0.0) * b_c
 
@@ -91,10 +99,7 @@ def _verdict_sample_kernel(
     for start in range(0, V, BLOCK_V):
         o_x = start + o_v
         m_x = m_b[:, None] & (o_x < V)[None, :]
-        b_w = tl.load(p_p + o_t[:, None] + o_x[None, :], mask=m_x, other=0.0)
-        if K > 1:
-            b_qv = tl.load(p_q + o_q[:, None] + o_x[None, :], mask=m_x & b_resid[:, None], other=0.0).to(tl.float32)
-            b_w = tl.where(b_resid[:, None], tl.maximum(b_w - b_qv, 0.0), b_w)
+        b_w = _chosen_weights(p_p, p_q, o_t, o_q, o_x, m_x, b_resid, K)
         b_scan = tl.cumsum(b_w, 1)  # (BLOCK_B, BLOCK_V)
         b_cnt += tl.sum(((b_c[:, None] + b_scan <= b_thresh[:, None]) & m_x).to(tl.int64), 1)
         b_c += tl.max(b_scan, 1)

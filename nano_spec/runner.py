@@ -157,6 +157,8 @@ class ModelRunner:
     def commit(self, seqs, active: list) -> list:
         """Roll every Mamba layer of each active sequence back to its accepted prefix (SPEC §4.3):
         one launch for all layers and sequences. Returns per-row success."""
+        if self.K == 1:  # plain decoding: every step is a full accept, the commit a no-op
+            return list(active)
         st = self.step_state
         B = st.slots.shape[0]
 
