@@ -62,7 +62,7 @@ def run(model_dir, prompts, proposer, gamma, batch, params, args) -> dict:
     tokens = sum(len(o.token_ids) for o in outs)
     return {"proposer": proposer, "gamma": gamma, "batch": batch, "tokens": tokens, "seconds": secs,
             "tokens_per_s": tokens / secs, "tau": st["tau"] if gamma else 1.0, "accept_at": st["accept_at"],
-            "outputs": [o.token_ids for o in outs]}
+            "accept_at_by_seq_len": st["accept_at_by_seq_len"], "outputs": [o.token_ids for o in outs]}
 
 
 def main(argv=None) -> int:

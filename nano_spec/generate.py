@@ -92,6 +92,9 @@ def main(argv=None) -> int:
         st = llm.stats
         print(f"tokens/s {n_tokens / elapsed:.1f}  tau {st['tau']:.3f}  accept_at "
               f"{[round(a, 3) for a in st['accept_at']]}  verify steps {st['verify_steps']}", file=sys.stderr)
+        for bucket, b in st["accept_at_by_seq_len"].items():
+            print(f"  seq_len {bucket:<9} steps {b['steps']:<6} accept_at {[round(a, 3) for a in b['accept_at']]}",
+                  file=sys.stderr)
         for phase, secs in st["phase_seconds"].items():
             print(f"  {phase:<8} {secs * 1e3:9.1f} ms  histogram {st['phase_histogram_ms'][phase]}", file=sys.stderr)
         print(f"  histogram bucket upper edges (ms): {st['phase_histogram_ms']['edges']}", file=sys.stderr)

@@ -24,6 +24,8 @@ class StepState:
     """The tensors of the step in flight, between verify and propose."""
     slots: torch.Tensor      # (B,)
     seq_lens: torch.Tensor   # (B,) before the step
+    drafts: torch.Tensor     # (B, γ) the drafts verified
+    num_drafts: torch.Tensor  # (B,) how many of them are real (the rest is padding)
     na: torch.Tensor | None  # (B,), set by the verdict
     emitted: torch.Tensor | None   # (B, K), set by the verdict
     sampling: BatchSampling | None
@@ -97,10 +99,11 @@ class ModelRunner:
         slots = self._tensor([s.slot for s in seqs])
         seq_lens = self._tensor([s.seq_len for s in seqs])
         last = self._tensor([s.tokens[-1] for s in seqs])
-        rows = torch.cat([last[:, None], self.drafts[slots]], dim=1)  # (B, K)
+        drafts = self.drafts[slots]  # (B, γ)
+        rows = torch.cat([last[:, None], drafts], dim=1)  # (B, K)
         kv_len = max(s.seq_len for s in seqs) + K + self.gamma
         self.logits = self.model.verify(rows, slots, seq_lens, self.cache, kv_len)  # (B, K, V)
-        self.step_state = StepState(slots, seq_lens, None, None, None, None, kv_len)
+        self.step_state = StepState(slots, seq_lens, drafts, self.num_drafts[slots], None, None, None, None, kv_len)
 
     @torch.no_grad()
     def verdict(self, seqs) -> list:
@@ -109,8 +112,8 @@ class ModelRunner:
         st.sampling = BatchSampling.of([s.params for s in seqs], self.device)
         st.uniforms = None if st.sampling.all_greedy else self.uniforms(seqs, K + self.gamma)
         draft_probs = None if st.sampling.all_greedy else self.need_draft_probs()[st.slots]
-        st.na, st.emitted = verdict(self.model.ops, self.logits, self.drafts[st.slots], self.num_drafts[st.slots],
-                                    st.sampling, draft_probs, None if st.uniforms is None else st.uniforms[:, :K])
+        st.na, st.emitted = verdict(self.model.ops, self.logits, st.drafts, st.num_drafts, st.sampling, draft_probs,
+                                    None if st.uniforms is None else st.uniforms[:, :K])
         return self._host_results(self.logits, st.emitted, st.na, seqs)
 
     def _host_results(self, logits, emitted, na, seqs) -> list:
