@@ -213,24 +213,22 @@ class ThreadTuner:
 # ---- 4. benchmark prompts ----------------------------------------------------------------------
 def eval_prompts(tok: Tokenizer, held, n: int, seed: int, lo: int = 100, hi: int = 300):
     """n chunks of held-out source, each lo..hi tokens, starting at a def/class/decorator line and ending
-    at a line end; spread evenly over the held-out modules and, within a module, over its definitions."""
+    at a line end; spread evenly over the held-out modules and, within a module, over its definitions.
+    A module too small for its share leaves the rest to the others (second pass)."""
     rng = random.Random(seed)
     by_module = {m: [(p, t) for p, t in held if p.split("/")[0].removesuffix(".py") == m] for m in HELD_OUT}
     mods = [m for m in HELD_OUT if by_module[m]]
-    out = []
-    for k, m in enumerate(mods):
-        want = n // len(mods) + (k < n % len(mods))
-        starts = [(p, lines, i) for p, t in by_module[m] for lines in [t.splitlines(keepends=True)]
+
+    def chunks(files, want):
+        """Prompts of one module: `want` spread evenly over its definitions first, then the rest in order."""
+        starts = [(p, lines, i) for p, t in files for lines in [t.splitlines(keepends=True)]
                   for i, ln in enumerate(lines) if ln.lstrip().startswith(("def ", "class ", "@"))
                   and (i == 0 or not lines[i - 1].lstrip().startswith("@"))]
         spread = [int((j + 0.5) * len(starts) / want) for j in range(want)]
-        order = spread + [j for j in range(len(starts)) if j not in spread]  # fall back to the rest in order
         taken = []
-        for j in order:
-            if len(taken) == want:
-                break
+        for j in spread + [j for j in range(len(starts)) if j not in spread]:
             p, lines, i = starts[j]
-            if any(q == p and abs(i - s) < 40 for q, s in taken):
+            if any(q == p and abs(i - s) < 40 for q, s in taken):  # no two prompts from one stretch of code
                 continue
             target, text, count = rng.randint(lo + 50, hi - 50), "", 0
             for ln in lines[i:]:
@@ -242,7 +240,19 @@ def eval_prompts(tok: Tokenizer, held, n: int, seed: int, lo: int = 100, hi: int
                     break
             if count >= lo:
                 taken.append((p, i))
-                out.append({"prompt": text, "source": f"{p}:{i + 1}", "n_tokens": count})
+                yield {"prompt": text, "source": f"{p}:{i + 1}", "n_tokens": count}
+
+    gens = [chunks(by_module[m], n // len(mods) + (k < n % len(mods))) for k, m in enumerate(mods)]
+    out = []
+    for k, g in enumerate(gens):  # first pass: each module its share
+        out += [c for _, c in zip(range(n // len(mods) + (k < n % len(mods))), g)]
+    while len(out) < n and gens:  # second pass: one more from each module that has any left
+        for g in list(gens):
+            c = next(g, None)
+            if c is None:
+                gens.remove(g)
+            elif len(out) < n:
+                out.append(c)
     return out
 
 
@@ -347,7 +357,8 @@ def main(argv=None):
                            "train_files": len(train_docs), "train_tokens": train_stream.numel(),
                            "held_out_modules": list(HELD_OUT), "held_out_files": len(held_docs),
                            "held_out_tokens": held_stream.numel(), "eval_windows": len(held_w)},
-                "steps": step, "schedule": "steps" if args.steps else "time", "stopped_early": stopped_early, "epochs": epoch,
+                "steps": step, "schedule": "steps" if args.steps else "time", "stopped_early": stopped_early,
+                "epochs": epoch,
                 "tokens_seen": tokens, "wall_seconds": round(time.time() - t0, 1),
                 "train_seconds": round(time.time() - t_train, 1),
                 "tokens_per_second": round(tokens / max(1e-9, time.time() - t_train), 1),
