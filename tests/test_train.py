@@ -9,7 +9,7 @@ import torch
 
 from kernels.mamba_scan import mamba_scan_ref
 from nano_spec.ssd import mamba_scan_chunked
-from tests.helpers import assert_close
+from helpers import assert_close
 
 ROOT = Path(__file__).resolve().parents[1]
 
