@@ -8,7 +8,7 @@ import json
 import sys
 import time
 
-DEFAULT_PROMPT = "def fibonacci(n):\n    "
+DEFAULT_PROMPT = 'class Stack:\n    """A last-in, first-out stack."""\n\n    def __init__(self):\n        self.'
 
 
 def parse_args(argv):

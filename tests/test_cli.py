@@ -39,7 +39,7 @@ def test_generate_streams_one_prompt_with_stats(ckpt):
 def test_generate_with_no_arguments_uses_the_shipped_weights():
     rc, out, err = cli("--max-new-tokens", 8)
     assert rc == 0, err
-    assert out.startswith("def fibonacci(n):") and len(out) > len("def fibonacci(n):\n    ")
+    assert out.startswith("class Stack:") and len(out) > 90
 
 
 def test_user_errors_exit_2_without_traceback(ckpt, tmp_path):

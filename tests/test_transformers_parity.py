@@ -66,3 +66,14 @@ def test_our_save_loads_in_transformers(tmp_path):
     ids = torch.randint(0, 67, (1, 13))
     with torch.no_grad():
         assert_close("transformers on nano_spec weights", ours(ids), hf(ids).logits, atol=1e-4)
+
+
+def test_shipped_weights_load_in_transformers():
+    from nano_spec.llm import shipped_weights
+
+    ckpt = shipped_weights()
+    hf = transformers.GraniteMoeHybridForCausalLM.from_pretrained(ckpt).eval()  # mtp.* are ignored there
+    ours = load_model(ckpt)
+    ids = torch.randint(0, ours.cfg.vocab_size, (1, 40))
+    with torch.no_grad():
+        assert_close("shipped weights in transformers", ours(ids), hf(ids).logits, atol=1e-4)
