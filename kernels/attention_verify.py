@@ -121,7 +121,9 @@ def _combine_kernel(
     m_s = o_s < SPLITS
     b_m = tl.load(p_mpart + i_row * SPLITS + o_s, mask=m_s, other=-1.0e30)  # (SPLITS_PAD,)
     b_l = tl.load(p_lpart + i_row * SPLITS + o_s, mask=m_s, other=0.0)
-    b_acc = tl.load(p_opart + (i_row * SPLITS + o_s)[:, None] * DH_PAD + o_d[None, :], mask=m_s[:, None], other=0.0)
+    # lanes d >= DH were never written (torch.empty): mask them rather than multiply garbage
+    m_sd = m_s[:, None] & (o_d < DH)[None, :]
+    b_acc = tl.load(p_opart + (i_row * SPLITS + o_s)[:, None] * DH_PAD + o_d[None, :], mask=m_sd, other=0.0)
     b_w = tl.exp(b_m - tl.max(b_m, 0))  # empty splits carry m = -1e30, so their weight is 0
     b_o = tl.sum(b_w[:, None] * b_acc, 0) / tl.sum(b_w * b_l, 0)  # (DH_PAD,)
     tl.store(p_o + i_b * s_o_b + i_j * s_o_k + i_h * s_o_h + o_d, b_o.to(p_o.dtype.element_ty), mask=o_d < DH)

@@ -113,13 +113,18 @@ def plot(rows, path):
         print("--plot needs matplotlib: pip install 'nano-spec[plot]'", file=sys.stderr)
         return
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    for b in sorted({r["batch"] for r in rows}):
+    batches = sorted({r["batch"] for r in rows})
+    width = 0.8 / len(batches)
+    for i, b in enumerate(batches):
         mtp = sorted((r for r in rows if r["batch"] == b and r["proposer"] in ("none", "mtp")), key=lambda r: r["gamma"])
         ax1.plot([r["gamma"] for r in mtp], [r["tau"] for r in mtp], "o-", label=f"tau, batch {b}")
         ax1.plot([r["gamma"] for r in mtp], [r["speedup"] for r in mtp], "s--", label=f"speedup, batch {b}")
-        top = max(mtp, key=lambda r: r["gamma"])
-        ax2.bar([j + 0.4 * (b != min(r["batch"] for r in rows)) for j in range(len(top["accept_at"]))],
-                top["accept_at"], width=0.4, label=f"batch {b}, γ={top['gamma']}")
+        top = mtp[-1]
+        ax2.bar([j + i * width for j in range(len(top["accept_at"]))], top["accept_at"], width=width,
+                label=f"batch {b}, γ={top['gamma']}")
+    ax1.set_xticks(sorted({r["gamma"] for r in rows if r["proposer"] in ("none", "mtp")}))
+    ax2.set_xticks([j + (len(batches) - 1) * width / 2 for j in range(len(top["accept_at"]))],
+                   [str(j) for j in range(len(top["accept_at"]))])
     ax1.set_xlabel("γ (drafts per step)")
     ax1.legend()
     ax2.set_xlabel("draft position j")
