@@ -21,6 +21,24 @@ def softplus(x):
 
 
 @triton.jit
+def load_conv_taps(p_conv_w, p_conv_b, o_c, m_c, o_w, W: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Conv weights (channels, BLOCK_W) and biases (channels,) of the conv channels o_c, in fp32."""
+    b_w = tl.load(p_conv_w + o_c[:, None] * W + o_w[None, :], mask=m_c[:, None] & (o_w < W)[None, :], other=0.0)
+    if HAS_BIAS:
+        b_b = tl.load(p_conv_b + o_c, mask=m_c, other=0.0).to(tl.float32)
+    else:
+        b_b = (o_c * 0).to(tl.float32)
+    return b_w.to(tl.float32), b_b
+
+
+@triton.jit
+def load_head_params(p_A_log, p_D, p_dt_bias, i_h):
+    """A = -exp(A_log), D and dt_bias of head i_h, in fp32."""
+    b_A = -tl.exp(tl.load(p_A_log + i_h).to(tl.float32))
+    return b_A, tl.load(p_D + i_h).to(tl.float32), tl.load(p_dt_bias + i_h).to(tl.float32)
+
+
+@triton.jit
 def online_softmax_step(b_s, b_v, b_m, b_l, b_acc, DOT_PREC: tl.constexpr):
     """Fold one block of scores b_s (M, N) and values b_v (N, Dh) into the running row max b_m (M,),
     the running sum b_l (M,) and the unnormalised output b_acc (M, Dh) of flash attention."""

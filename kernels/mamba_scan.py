@@ -31,7 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import conv_silu_ref, mamba_dt_ref, softplus, split_xbc, ssm_step_ref
+from kernels.common import (conv_silu_ref, load_conv_taps, load_head_params, mamba_dt_ref, softplus, split_xbc,
+                            ssm_step_ref)
 
 INF = float("inf")
 CHUNK = 32  # Q: tokens per chunk of the SSD form (tl.dot wants >= 16; 64 spills on sm_90 with N = 128)
@@ -86,20 +87,10 @@ def _mamba_scan_recurrent_kernel(
     p_wx = p_xbc + (o_w[None, :] - (W - 1)) * stride_t + o_cx[:, None]
     p_wb = p_xbc + (o_w[None, :] - (W - 1)) * stride_t + o_cb[:, None]
     p_wc = p_xbc + (o_w[None, :] - (W - 1)) * stride_t + o_cc[:, None]
-    b_wx = tl.load(p_conv_w + o_cx[:, None] * W + o_w[None, :], mask=m_xw, other=0.0).to(tl.float32)
-    b_wb = tl.load(p_conv_w + o_cb[:, None] * W + o_w[None, :], mask=m_nw, other=0.0).to(tl.float32)
-    b_wc = tl.load(p_conv_w + o_cc[:, None] * W + o_w[None, :], mask=m_nw, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        b_bx = tl.load(p_conv_b + o_cx, mask=m_p, other=0.0).to(tl.float32)
-        b_bb = tl.load(p_conv_b + o_cb, mask=m_n, other=0.0).to(tl.float32)
-        b_bc = tl.load(p_conv_b + o_cc, mask=m_n, other=0.0).to(tl.float32)
-    else:
-        b_bx = tl.zeros([BLOCK_P], dtype=tl.float32)
-        b_bb = tl.zeros([BLOCK_N], dtype=tl.float32)
-        b_bc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    b_A = -tl.exp(tl.load(p_A_log + i_h).to(tl.float32))
-    b_D = tl.load(p_D + i_h).to(tl.float32)
-    b_dt_bias = tl.load(p_dt_bias + i_h).to(tl.float32)
+    b_wx, b_bx = load_conv_taps(p_conv_w, p_conv_b, o_cx, m_p, o_w, W, HAS_BIAS)
+    b_wb, b_bb = load_conv_taps(p_conv_w, p_conv_b, o_cb, m_n, o_w, W, HAS_BIAS)
+    b_wc, b_bc = load_conv_taps(p_conv_w, p_conv_b, o_cc, m_n, o_w, W, HAS_BIAS)
+    b_A, b_D, b_dt_bias = load_head_params(p_A_log, p_D, p_dt_bias, i_h)
     b_s = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)  # (BLOCK_P, N): zero initial state
     p_yt = p_y + i_h * P + o_p
     for t in range(T):
