@@ -219,4 +219,5 @@ def test_load_256_requests_nothing_lost(ckpt):
         assert [o.token_ids for o in outs] == [want[i] for i in order]
         assert_idle(llm)
         rss.append(rss_bytes())
+    print(f"resident memory after each round of 256 requests: {[round(r / 2**20, 1) for r in rss]} MiB")
     assert rss[2] <= 1.05 * rss[0], f"resident memory grew: {[r >> 20 for r in rss]} MiB"
