@@ -20,11 +20,15 @@ Two launches: `_rope_store_kernel` rotates k and writes k, v into the slot's row
 `_prefill_attention_kernel` reads K/V back from the cache (so the attention sees exactly the cached,
 rounded values, as the reference does) and rotates q on load.
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from kernels.common import apply_rope_ref, online_softmax_step
+from kernels.common import apply_rope_ref, check, online_softmax_step
+
+_check = functools.partial(check, "attention_prefill")
 
 
 @triton.jit
@@ -129,10 +133,6 @@ def _inv_freq(head_dim: int, theta: float | None, device) -> torch.Tensor:
         return torch.zeros(1, dtype=torch.float32, device=device)
     return 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
 
-
-def _check(cond: bool, msg: str):
-    if not cond:
-        raise ValueError(msg)
 
 
 def attention_prefill(q, k, v, k_cache, v_cache, slot: int, scale: float, rope_theta=None):

@@ -22,12 +22,16 @@ For long caches and few (b, h) pairs the old keys are split across SPLITS progra
 The number of splits depends only on shapes (L, B, Hkv), never on seq_lens values,
 so there is no host sync; programs past a sequence's length do no work.
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from kernels.attention_prefill import _check, _dot_precision, _inv_freq, _pow2, _rope_load
-from kernels.common import apply_rope_ref, online_softmax_step
+from kernels.attention_prefill import _dot_precision, _inv_freq, _pow2, _rope_load
+from kernels.common import apply_rope_ref, check, online_softmax_step
+
+_check = functools.partial(check, "attention_verify")
 
 
 @triton.jit

@@ -14,9 +14,15 @@ tile t of the flat H*P*N state and tile t of the flat C*(W-1) window of layer l,
 sequence b. na and active are read on the device and fold into the masks, so a
 row that does not commit moves no bytes and the host never waits on the verdict.
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
+
+from kernels.common import check
+
+_check = functools.partial(check, "commit_state")
 
 
 @triton.jit
@@ -47,10 +53,6 @@ def _commit_state_kernel(p_ssm_state, p_conv_state, p_ssm_stash, p_conv_stash, p
     dst = p_conv_state + (i_l.to(tl.int64) * S + i_s) * C * Wm1
     tl.store(dst + o, tl.load(src + o_c * (Wm1 + K) + b_na + 1 + o_w, mask=m), mask=m)
 
-
-def _check(cond, msg):
-    if not cond:
-        raise ValueError(f"commit_state: {msg}")
 
 
 def commit_state(ssm_state, conv_state, ssm_stash, conv_stash, slot_ids, na, active):

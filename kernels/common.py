@@ -1,5 +1,6 @@
 """Small pieces shared by several kernels: RoPE, the Mamba2 time step, the conv, one
-SSM step (torch, for the references) and softplus and the online-softmax update
+SSM step (torch, for the references); the launchers' input check; and softplus,
+the RMS normalisation, conv/head parameter loads and the online-softmax update
 (Triton, for the kernels).
 
 Shapes use the glossary of SPEC §1: T tokens, H Mamba heads, Dh head dim.
@@ -8,6 +9,19 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+
+def check(kernel: str, cond: bool, msg: str):
+    """A launcher's input check: one ValueError naming the kernel, instead of a Triton error deep inside."""
+    if not cond:
+        raise ValueError(f"{kernel}: {msg}")
+
+
+@triton.jit
+def rms_normalize(b_xf, n, eps, ty):
+    """x / sqrt(mean(x^2) + eps) over a block whose masked lanes hold 0, rounded to ty as the reference rounds."""
+    b_rstd = 1.0 / tl.sqrt(tl.sum(b_xf * b_xf, axis=0) / n + eps)
+    return (b_xf * b_rstd).to(ty).to(tl.float32)
 
 
 @triton.jit

@@ -6,10 +6,16 @@ The Triton version runs one program per (row, group): y and z of the group are
 read once, the output written once; all math in fp32, the normalised group
 rounds to z's dtype before the weight as in the reference.
 """
+import functools
+
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from kernels.common import check, rms_normalize
+
+_check = functools.partial(check, "gated_rmsnorm")
 
 
 @triton.jit
@@ -23,15 +29,10 @@ def _gated_rmsnorm_kernel(p_y, p_z, p_w, p_out, d_in, group_size, stride_y, stri
     ty = b_z.dtype
     b_zf = b_z.to(tl.float32)
     b_u = b_y * (b_zf / (1.0 + tl.exp(-b_zf)))  # y * silu(z)
-    b_rstd = 1.0 / tl.sqrt(tl.sum(b_u * b_u, axis=0) / group_size + eps)
-    b_n = (b_u * b_rstd).to(ty).to(tl.float32)
+    b_n = rms_normalize(b_u, group_size, eps, ty)
     b_w = tl.load(p_w + o, mask=m, other=0.0).to(tl.float32)
     tl.store(p_out + i_m * d_in + o, (b_w * b_n).to(p_out.dtype.element_ty), mask=m)
 
-
-def _check(cond, msg):
-    if not cond:
-        raise ValueError(f"gated_rmsnorm: {msg}")
 
 
 def gated_rmsnorm(y, z, weight, group_size: int, eps: float):

@@ -27,15 +27,19 @@ the latter recomputed by every head block of the group):
 
 `mamba_scan(..., method="auto")` picks chunked on CUDA for T >= 2*Q, else recurrent.
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from kernels.common import (conv_silu_ref, load_conv_taps, load_head_params, mamba_dt_ref, softplus, split_xbc,
-                            ssm_step_ref)
+from kernels.common import (check, conv_silu_ref, load_conv_taps, load_head_params, mamba_dt_ref,
+                            softplus, split_xbc, ssm_step_ref)
 
 INF = float("inf")
 CHUNK = 32  # Q: tokens per chunk of the SSD form (tl.dot wants >= 16; 64 spills on sm_90 with N = 128)
+
+_check = functools.partial(check, "mamba_scan")
 
 
 @triton.jit
@@ -175,10 +179,6 @@ def _mamba_scan_chunked_kernel(
     _store_conv_window(p_xbc, stride_t, p_win, T, o_cb, m_own, W - 1, BLOCK_W)
     _store_conv_window(p_xbc, stride_t, p_win, T, o_cc, m_own, W - 1, BLOCK_W)
 
-
-def _check(cond, msg):
-    if not cond:
-        raise ValueError(f"mamba_scan: {msg}")
 
 
 def mamba_scan(xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, n_groups: int, head_dim: int,

@@ -24,14 +24,18 @@ The Triton version is two launches:
     every head block of that group; no program of the first launch could know
     that all the others have read the old window, so the update comes after it.
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from kernels.common import (conv_silu_ref, load_conv_taps, load_head_params, mamba_dt_ref, softplus, split_xbc,
-                            ssm_step_ref)
+from kernels.common import (check, conv_silu_ref, load_conv_taps, load_head_params, mamba_dt_ref,
+                            softplus, split_xbc, ssm_step_ref)
 
 INF = float("inf")
+
+_check = functools.partial(check, "mamba_verify")
 
 
 @triton.jit
@@ -140,10 +144,6 @@ def _conv_window_kernel(p_conv_stash, p_conv_state, p_slot, K, C,
     b_w = tl.load(p_conv_stash + i_b.to(tl.int64) * C * (Wm1 + K) + o_c[:, None] * (Wm1 + K) + K + o_w[None, :], mask=m)
     tl.store(p_conv_state + i_s * C * Wm1 + o_c[:, None] * Wm1 + o_w[None, :], b_w, mask=m)
 
-
-def _check(cond, msg):
-    if not cond:
-        raise ValueError(f"mamba_verify: {msg}")
 
 
 def mamba_verify(xBC, dt, conv_state, ssm_state, slot_ids, conv_weight, conv_bias, dt_bias, A_log, D,

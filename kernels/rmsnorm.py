@@ -12,9 +12,15 @@ follow the reference's dtypes: multiplier * x and the add round to x's dtype,
 the normalised row rounds to h's dtype before the weight, y has
 promote(weight, h) dtype.
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
+
+from kernels.common import check, rms_normalize
+
+_check = functools.partial(check, "rmsnorm")
 
 
 @triton.jit
@@ -33,15 +39,10 @@ def _rmsnorm_kernel(p_x, p_res, p_w, p_y, p_h, D, stride_x, stride_r, eps, multi
     else:
         b_h = b_x
     b_hf = b_h.to(tl.float32)
-    b_rstd = 1.0 / tl.sqrt(tl.sum(b_hf * b_hf, axis=0) / D + eps)
-    b_n = (b_hf * b_rstd).to(ty).to(tl.float32)
+    b_n = rms_normalize(b_hf, D, eps, ty)
     b_w = tl.load(p_w + o_d, mask=m_d, other=0.0).to(tl.float32)
     tl.store(p_y + i_m * D + o_d, (b_w * b_n).to(p_y.dtype.element_ty), mask=m_d)
 
-
-def _check(cond, msg):
-    if not cond:
-        raise ValueError(f"rmsnorm: {msg}")
 
 
 def rmsnorm(x, weight, eps: float, residual=None, multiplier: float = 1.0):

@@ -103,7 +103,6 @@ class LLM:
         self.model = load_model(path, device=device, dtype=dtype, backend=backend)
         self.tokenizer = Tokenizer(path, cfg)
         self.max_seq_len = max_seq_len
-        self.backend, self.device = backend, device
         self.telemetry = Telemetry(self.proposer.num_drafts, clock)
         self.runner = ModelRunner(self.model, self.proposer, max_batch, max_seq_len)
         self.scheduler = Scheduler(self.runner, self.tokenizer, max_batch, max_seq_len, self.telemetry)

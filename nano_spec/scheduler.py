@@ -76,16 +76,14 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def step(self) -> list:
-        """One engine step; returns the sequences that emitted tokens or finished in it."""
-        touched = self._schedule()
+    def step(self):
+        """One engine step: admit what fits, then one speculative step for every live sequence."""
+        self._schedule()
         if self.running:
-            touched += [s for s in self._run_and_postprocess() if s not in touched]
-        return touched
+            self._run_and_postprocess()
 
     # ---- schedule -------------------------------------------------------------------
-    def _schedule(self) -> list:
-        admitted = []
+    def _schedule(self):
         while self.waiting and self.free_slots:
             seq = self.waiting.popleft()
             seq.slot = self.free_slots.pop(0)
@@ -103,11 +101,9 @@ class Scheduler:
                 self._release(seq)
             else:
                 self.running.append(seq)
-            admitted.append(seq)
-        return admitted
 
     # ---- run + postprocess ----------------------------------------------------------------
-    def _run_and_postprocess(self) -> list:
+    def _run_and_postprocess(self):
         batch = list(self.running)
         with self.tel.phase("verify"):
             self.runner.verify(batch)
@@ -130,7 +126,6 @@ class Scheduler:
             if seq.finished:
                 self._release(seq)
         self.running = [s for s in self.running if not s.finished]
-        return batch
 
     def _keep(self, batch, active, ok) -> list:
         """Sequences whose commit or propose failed end with an error; the others go on."""
