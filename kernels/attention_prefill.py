@@ -23,32 +23,11 @@ rounded values, as the reference does) and rotates q on load.
 import functools
 
 import torch
-import triton
-import triton.language as tl
 
-from kernels.common import apply_rope_ref, check, online_softmax_step
+from kernels.common import (apply_rope_ref, check, dot_precision, online_softmax_step, pow2, rope_inv_freq, rope_load,
+                            tl, triton)
 
 _check = functools.partial(check, "attention_prefill")
-
-
-@triton.jit
-def _rope_load(p_x, o_rows, m_rows, pos, p_inv_freq, o_d, DH: tl.constexpr, ROPE: tl.constexpr):
-    """Load a (R, DH_PAD) tile in fp32, row r at element offset o_rows[r] from p_x (its d = 0),
-    and rotate row r by position pos[r] when ROPE. Shared with attention_verify."""
-    m_d = o_d < DH
-    m_x = m_rows[:, None] & m_d[None, :]
-    b_x = tl.load(p_x + o_rows[:, None] + o_d[None, :], mask=m_x, other=0.0).to(tl.float32)
-    if ROPE:
-        HALF = DH // 2
-        # rotate-half partner of d and its sign: -x[d + Dh/2] for the first half, +x[d - Dh/2] for the second
-        o_partner = tl.where(o_d < HALF, o_d + HALF, o_d - HALF)
-        b_sign = tl.where(o_d < HALF, -1.0, 1.0)
-        b_xp = tl.load(p_x + o_rows[:, None] + o_partner[None, :], mask=m_x, other=0.0).to(tl.float32)
-        # the same fp32 inv_freq table as the reference, so only cos/sin rounding can differ
-        b_f = tl.load(p_inv_freq + (o_d % HALF), mask=m_d, other=0.0)  # (DH_PAD,)
-        b_ang = pos.to(tl.float32)[:, None] * b_f[None, :]  # (R, DH_PAD)
-        b_x = b_x * tl.cos(b_ang) + b_sign[None, :] * b_xp * tl.sin(b_ang)
-    return b_x
 
 
 @triton.jit
@@ -65,7 +44,7 @@ def _rope_store_kernel(
     o_d = tl.arange(0, DH_PAD)
     m_t = o_t < T
     m_x = m_t[:, None] & (o_d < DH)[None, :]
-    b_k = _rope_load(p_k + i_h * s_k_h, o_t * s_k_t, m_t, o_t, p_inv_freq, o_d, DH, ROPE)  # (BLOCK_T, DH_PAD)
+    b_k = rope_load(p_k + i_h * s_k_h, p_inv_freq, o_t * s_k_t, m_t, o_t, o_d, DH, ROPE)  # (BLOCK_T, DH_PAD)
     b_v = tl.load(p_v + i_h * s_v_h + o_t[:, None] * s_v_t + o_d[None, :], mask=m_x, other=0.0)
     p_kc_blk = p_kc + slot * s_kc_s + i_h * s_kc_h + o_t[:, None] * s_kc_t + o_d[None, :]
     p_vc_blk = p_vc + slot * s_vc_s + i_h * s_vc_h + o_t[:, None] * s_vc_t + o_d[None, :]
@@ -91,7 +70,7 @@ def _prefill_attention_kernel(
     m_d = o_d < DH
 
     # q is rotated in fp32 then rounded to its dtype, as the reference does before the matmul
-    b_q = _rope_load(p_q + i_hq * s_q_h, o_m * s_q_t, m_m, o_m, p_inv_freq, o_d, DH, ROPE)  # (BLOCK_M, DH_PAD)
+    b_q = rope_load(p_q + i_hq * s_q_h, p_inv_freq, o_m * s_q_t, m_m, o_m, o_d, DH, ROPE)  # (BLOCK_M, DH_PAD)
     b_q = b_q.to(p_q.dtype.element_ty)
 
     p_k_head = p_kc + slot * s_kc_s + i_hkv * s_kc_h
@@ -117,24 +96,6 @@ def _prefill_attention_kernel(
     tl.store(p_o_blk, b_o.to(p_o.dtype.element_ty), mask=m_m[:, None] & m_d[None, :])
 
 
-def _pow2(n: int, lo: int = 16) -> int:
-    """Block extent >= n: a power of two, at least 16 (the smallest tl.dot operand side)."""
-    return max(lo, triton.next_power_of_2(n))
-
-
-def _dot_precision(dtype: torch.dtype) -> str:
-    # fp32 inputs must not be rounded to tf32 (the tests compare to an fp32 reference at 1e-4)
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
-def _inv_freq(head_dim: int, theta: float | None, device) -> torch.Tensor:
-    """RoPE inverse frequencies (Dh/2,) computed by the reference's own formula (dummy when NoPE)."""
-    if theta is None:
-        return torch.zeros(1, dtype=torch.float32, device=device)
-    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
-
-
-
 def attention_prefill(q, k, v, k_cache, v_cache, slot: int, scale: float, rope_theta=None):
     """Triton version of attention_prefill_ref (same signature, same cache writes, same output)."""
     _check(q.dim() == 3 and k.dim() == 3 and v.dim() == 3, f"q, k, v must be (T, H, Dh), got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
@@ -158,8 +119,8 @@ def attention_prefill(q, k, v, k_cache, v_cache, slot: int, scale: float, rope_t
         return torch.empty_like(q)
 
     rope = rope_theta is not None
-    inv_freq = _inv_freq(Dh, rope_theta, q.device)
-    DH_PAD = _pow2(Dh)
+    inv_freq = rope_inv_freq(Dh, rope_theta, q.device)
+    DH_PAD = pow2(Dh)
     BLOCK_T = 32
     _rope_store_kernel[(triton.cdiv(T, BLOCK_T), Hkv)](
         k, v, k_cache, v_cache, inv_freq, T, int(slot),
@@ -175,7 +136,7 @@ def attention_prefill(q, k, v, k_cache, v_cache, slot: int, scale: float, rope_t
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), o.stride(0), o.stride(1),
         REP=Hq // Hkv, DH=Dh, DH_PAD=DH_PAD, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, ROPE=rope,
-        DOT_PREC=_dot_precision(q.dtype),
+        DOT_PREC=dot_precision(q.dtype),
     )
     return o
 

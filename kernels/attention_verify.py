@@ -25,11 +25,9 @@ so there is no host sync; programs past a sequence's length do no work.
 import functools
 
 import torch
-import triton
-import triton.language as tl
 
-from kernels.attention_prefill import _dot_precision, _inv_freq, _pow2, _rope_load
-from kernels.common import apply_rope_ref, check, online_softmax_step
+from kernels.common import (apply_rope_ref, check, dot_precision, online_softmax_step, pow2, rope_inv_freq, rope_load,
+                            tl, triton)
 
 _check = functools.partial(check, "attention_verify")
 
@@ -58,7 +56,7 @@ def _verify_attention_kernel(
     o_d = tl.arange(0, DH_PAD)
     m_d = o_d < DH
     o_q = i_b * s_q_b + o_jq * s_q_k + o_hq * s_q_h
-    b_q = _rope_load(p_q, o_q, m_r, seq_len + o_jq, p_inv_freq, o_d, DH, ROPE).to(p_q.dtype.element_ty)  # (BLOCK_M, DH_PAD)
+    b_q = rope_load(p_q, p_inv_freq, o_q, m_r, seq_len + o_jq, o_d, DH, ROPE).to(p_q.dtype.element_ty)  # (BLOCK_M, DH_PAD)
 
     b_m = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite start: an empty split stays NaN-free
     b_l = tl.zeros([BLOCK_M], tl.float32)
@@ -86,7 +84,7 @@ def _verify_attention_kernel(
         m_j = o_j < K
         m_jd = m_j[:, None] & m_d[None, :]
         o_pos = seq_len + o_j
-        b_kn = _rope_load(p_k + i_b * s_k_b + i_hkv * s_k_h, o_j * s_k_k, m_j, o_pos, p_inv_freq, o_d, DH, ROPE)
+        b_kn = rope_load(p_k + i_b * s_k_b + i_hkv * s_k_h, p_inv_freq, o_j * s_k_k, m_j, o_pos, o_d, DH, ROPE)
         b_kn = b_kn.to(p_kc.dtype.element_ty)  # (K_PAD, DH_PAD), rounded as the cache stores it
         b_vn = tl.load(p_v + i_b * s_v_b + i_hkv * s_v_h + o_j[:, None] * s_v_k + o_d[None, :], mask=m_jd, other=0.0)
         b_vn = b_vn.to(p_vc.dtype.element_ty)
@@ -155,6 +153,7 @@ def _attention_verify(q, k, v, k_cache, v_cache, slot_ids, seq_lens, scale, rope
     _check(slot_ids.shape == (Bsz,) and seq_lens.shape == (Bsz,),
            f"slot_ids, seq_lens must be ({Bsz},), got {tuple(slot_ids.shape)}, {tuple(seq_lens.shape)}")
     _check(not slot_ids.is_floating_point() and not seq_lens.is_floating_point(), "slot_ids, seq_lens must be integer tensors")
+    _check(slot_ids.is_contiguous() and seq_lens.is_contiguous(), "slot_ids, seq_lens must be contiguous")  # read at offset b
     _check(k.dtype == v.dtype == q.dtype == k_cache.dtype == v_cache.dtype,
            f"q, k, v, k_cache, v_cache must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}, {k_cache.dtype}, {v_cache.dtype}")
     _check(q.dtype in (torch.float32, torch.float16, torch.bfloat16), f"unsupported dtype {q.dtype}")
@@ -168,7 +167,7 @@ def _attention_verify(q, k, v, k_cache, v_cache, slot_ids, seq_lens, scale, rope
         return o
 
     BLOCK_N = 64 if q.is_cuda else 32
-    DH_PAD = _pow2(Dh)
+    DH_PAD = pow2(Dh)
     splits = num_splits or _num_splits(Bsz, Hkv, L, BLOCK_N, q.device)
     chunk = triton.cdiv(triton.cdiv(L, splits), BLOCK_N) * BLOCK_N  # whole key blocks per split
     splits = triton.cdiv(L, chunk)
@@ -178,7 +177,7 @@ def _attention_verify(q, k, v, k_cache, v_cache, slot_ids, seq_lens, scale, rope
         opart = torch.empty((Bsz, K, Hq, splits, DH_PAD), dtype=torch.float32, device=q.device)
     else:
         mpart = lpart = opart = o  # unused
-    inv_freq = _inv_freq(Dh, rope_theta, q.device)
+    inv_freq = rope_inv_freq(Dh, rope_theta, q.device)
     _verify_attention_kernel[(Bsz * Hkv, splits)](
         q, k, v, k_cache, v_cache, slot_ids, seq_lens, o, mpart, lpart, opart, inv_freq,
         L, chunk, float(scale),
@@ -186,8 +185,8 @@ def _attention_verify(q, k, v, k_cache, v_cache, slot_ids, seq_lens, scale, rope
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         o.stride(0), o.stride(1), o.stride(2),
         K=K, HKV=Hkv, REP=Hq // Hkv, DH=Dh, DH_PAD=DH_PAD,
-        BLOCK_M=_pow2((Hq // Hkv) * K), BLOCK_N=BLOCK_N, K_PAD=_pow2(K),
-        SPLITS=splits, ROPE=rope_theta is not None, DOT_PREC=_dot_precision(q.dtype),
+        BLOCK_M=pow2((Hq // Hkv) * K), BLOCK_N=BLOCK_N, K_PAD=pow2(K),
+        SPLITS=splits, ROPE=rope_theta is not None, DOT_PREC=dot_precision(q.dtype),
     )
     if splits > 1:
         _combine_kernel[(Bsz * K * Hq,)](

@@ -17,10 +17,8 @@ row that does not commit moves no bytes and the host never waits on the verdict.
 import functools
 
 import torch
-import triton
-import triton.language as tl
 
-from kernels.common import check
+from kernels.common import check, tl, triton
 
 _check = functools.partial(check, "commit_state")
 
@@ -52,7 +50,6 @@ def _commit_state_kernel(p_ssm_state, p_conv_state, p_ssm_stash, p_conv_stash, p
     src = p_conv_stash + (i_l * Bsz + i_b).to(tl.int64) * C * (Wm1 + K)
     dst = p_conv_state + (i_l.to(tl.int64) * S + i_s) * C * Wm1
     tl.store(dst + o, tl.load(src + o_c * (Wm1 + K) + b_na + 1 + o_w, mask=m), mask=m)
-
 
 
 def commit_state(ssm_state, conv_state, ssm_stash, conv_stash, slot_ids, na, active):

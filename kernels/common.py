@@ -1,20 +1,61 @@
-"""Small pieces shared by several kernels: RoPE, the Mamba2 time step, the conv, one
-SSM step (torch, for the references); the launchers' input check; and softplus,
-the RMS normalisation, conv/head parameter loads and the online-softmax update
-(Triton, for the kernels).
+"""Small pieces shared by several kernels: the triton import (or its stand-in), RoPE,
+the Mamba2 time step, the conv, one SSM step (torch, for the references); the
+launchers' input check and block sizes; and softplus, the RMS normalisation,
+RoPE/conv/head parameter loads and the online-softmax update (Triton, for the kernels).
 
-Shapes use the glossary of SPEC §1: T tokens, H Mamba heads, Dh head dim.
+Shapes use the glossary of docs/DESIGN.md §1: T tokens, H Mamba heads, Dh head dim.
+
+Triton is optional: kernel files take `triton` and `tl` from here, the real modules
+or, without triton (macOS, Windows), a stand-in under which the references run.
 """
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:
+    HAS_TRITON = False
+
+    class TritonUnavailable(ImportError):
+        """A kernel was launched, or triton used, where triton is not installed."""
+
+    class _NoTriton:
+        """Stands in for both `triton` and `triton.language`: `@triton.jit` and `tl.constexpr` evaluate
+        at import, so every `<name>_ref` works; launching a kernel or using any other name raises."""
+        constexpr = None
+
+        def jit(self, fn):
+            return self
+
+        def __getitem__(self, grid):
+            raise TritonUnavailable("triton is not installed; use backend='torch'")
+
+        def __getattr__(self, name):
+            if name.startswith("__"):  # Python's own protocol lookups (copy, inspect) see a plain object
+                raise AttributeError(name)
+            raise TritonUnavailable(f"triton.{name}: triton is not installed; use backend='torch'")
+
+    triton = tl = _NoTriton()
 
 
 def check(kernel: str, cond: bool, msg: str):
     """A launcher's input check: one ValueError naming the kernel, instead of a Triton error deep inside."""
     if not cond:
         raise ValueError(f"{kernel}: {msg}")
+
+
+def pow2(n: int, lo: int = 16) -> int:
+    """Block extent >= n: a power of two, at least lo (16: the smallest tl.dot operand side)."""
+    return max(lo, triton.next_power_of_2(n))
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """tl.dot's input_precision for operands of this dtype."""
+    # fp32 inputs must not be rounded to tf32 (the tests compare to an fp32 reference at 1e-4)
+    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 @triton.jit
@@ -64,9 +105,37 @@ def online_softmax_step(b_s, b_v, b_m, b_l, b_acc, DOT_PREC: tl.constexpr):
     return b_m_new, b_l, b_acc
 
 
+@triton.jit
+def rope_load(p_x, p_inv_freq, o_rows, m_rows, pos, o_d, DH: tl.constexpr, ROPE: tl.constexpr):
+    """Load a (R, DH_PAD) tile in fp32, row r at element offset o_rows[r] from p_x (its d = 0),
+    and rotate row r by position pos[r] when ROPE (rotate-half, as apply_rope_ref)."""
+    m_d = o_d < DH
+    m_x = m_rows[:, None] & m_d[None, :]
+    b_x = tl.load(p_x + o_rows[:, None] + o_d[None, :], mask=m_x, other=0.0).to(tl.float32)
+    if ROPE:
+        HALF = DH // 2
+        # rotate-half partner of d and its sign: -x[d + Dh/2] for the first half, +x[d - Dh/2] for the second
+        o_partner = tl.where(o_d < HALF, o_d + HALF, o_d - HALF)
+        b_sign = tl.where(o_d < HALF, -1.0, 1.0)
+        b_xp = tl.load(p_x + o_rows[:, None] + o_partner[None, :], mask=m_x, other=0.0).to(tl.float32)
+        # the same fp32 inv_freq table as the reference (rope_inv_freq), so only cos/sin rounding can differ
+        b_f = tl.load(p_inv_freq + (o_d % HALF), mask=m_d, other=0.0)  # (DH_PAD,)
+        b_ang = pos.to(tl.float32)[:, None] * b_f[None, :]  # (R, DH_PAD)
+        b_x = b_x * tl.cos(b_ang) + b_sign[None, :] * b_xp * tl.sin(b_ang)
+    return b_x
+
+
+def rope_inv_freq(head_dim: int, theta: float | None, device) -> torch.Tensor:
+    """RoPE inverse frequencies (Dh/2,) fp32, theta^(-2d/Dh); a dummy (1,) when theta is None (NoPE),
+    so a launcher always has a pointer to pass."""
+    if theta is None:
+        return torch.zeros(1, dtype=torch.float32, device=device)
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+
+
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float):
     """cos, sin of shape (*positions.shape, Dh) in fp32 (rotate-half layout)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    inv_freq = rope_inv_freq(head_dim, theta, positions.device)  # (Dh/2,)
     freqs = positions.to(torch.float32)[..., None] * inv_freq  # (..., Dh/2)
     emb = torch.cat((freqs, freqs), dim=-1)  # (..., Dh)
     return emb.cos(), emb.sin()

@@ -10,16 +10,14 @@ import functools
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
-from kernels.common import check, rms_normalize
+from kernels.common import check, rms_normalize, tl, triton
 
 _check = functools.partial(check, "gated_rmsnorm")
 
 
 @triton.jit
-def _gated_rmsnorm_kernel(p_y, p_z, p_w, p_out, d_in, group_size, stride_y, stride_z, eps,
+def _gated_rmsnorm_kernel(p_y, p_z, p_w, p_out, d_in, group_size, eps, stride_y, stride_z,
                           BLOCK: tl.constexpr):
     i_m, i_g = tl.program_id(0).to(tl.int64), tl.program_id(1)
     o = i_g * group_size + tl.arange(0, BLOCK)  # channels of group g
@@ -32,7 +30,6 @@ def _gated_rmsnorm_kernel(p_y, p_z, p_w, p_out, d_in, group_size, stride_y, stri
     b_n = rms_normalize(b_u, group_size, eps, ty)
     b_w = tl.load(p_w + o, mask=m, other=0.0).to(tl.float32)
     tl.store(p_out + i_m * d_in + o, (b_w * b_n).to(p_out.dtype.element_ty), mask=m)
-
 
 
 def gated_rmsnorm(y, z, weight, group_size: int, eps: float):
@@ -51,7 +48,7 @@ def gated_rmsnorm(y, z, weight, group_size: int, eps: float):
         return out
     BLOCK = triton.next_power_of_2(group_size)
     _gated_rmsnorm_kernel[(y2.shape[0], d_in // group_size)](
-        y2, z2, weight, out, d_in, group_size, y2.stride(0), z2.stride(0), float(eps),
+        y2, z2, weight, out, d_in, group_size, float(eps), y2.stride(0), z2.stride(0),
         BLOCK=BLOCK, num_warps=min(16, max(1, BLOCK // 256)),
     )
     return out

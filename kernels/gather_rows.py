@@ -1,12 +1,21 @@
-"""out[b] = src[b, idx[b]]: the stash-slot hidden save that seeds the MTP draft head
-(the hidden of the last accepted row), also used on the MTP's own output rows.
+"""One row per sequence: out[b] = src[b, idx[b]], src (B, K, D), idx (B,) -> out (B, D).
 
-The kernel is a strided copy: program (b, i) reads the idx[b]-th row of batch entry b
-in blocks of BLOCK_D and writes them to out[b]. idx stays on the device (no host sync).
+What it is for: the stash-slot hidden save of the MTP proposer. After a verify over
+K rows, the MTP catch-up runs over the K verified rows of every sequence and gives
+its outputs (B, K, D); the row at the last accepted position, idx[b] = na[b], is
+the one that seeds the next drafts, so it is taken out here while na stays on the
+device (no host sync on the verdict).
+
+The kernel is a strided copy: program (b, i) reads block i (BLOCK_D elements) of
+row idx[b] of batch entry b and writes it to out[b].
 """
+import functools
+
 import torch
-import triton
-import triton.language as tl
+
+from kernels.common import check, tl, triton
+
+_check = functools.partial(check, "gather_rows")
 
 
 @triton.jit
@@ -21,17 +30,16 @@ def _gather_rows_kernel(p_src, p_idx, p_out, D, s_src_b, s_src_k, s_out_b, BLOCK
 
 
 def gather_rows(src, idx):
-    """Triton version of gather_rows_ref: src (B, K, D), idx (B,) int -> (B, D).
-    idx must lie in [0, K) (not checked: that would need a host sync)."""
-    if src.dim() != 3:
-        raise ValueError(f"src must be (B, K, D), got {tuple(src.shape)}")
+    """Triton version of gather_rows_ref: src (B, K, D) with unit last-dim stride, idx (B,) contiguous
+    integer on src's device -> new contiguous (B, D). idx must lie in [0, K) (not checked: that would
+    need a host sync)."""
+    _check(src.dim() == 3, f"src must be (B, K, D), got {tuple(src.shape)}")
     Bsz, K, D = src.shape
-    if idx.shape != (Bsz,) or idx.is_floating_point() or idx.dtype == torch.bool:
-        raise ValueError(f"idx must be an integer tensor of shape ({Bsz},), got {idx.dtype} {tuple(idx.shape)}")
-    if idx.device != src.device:
-        raise ValueError(f"idx on {idx.device} but src on {src.device}")
-    if src.stride(-1) != 1:
-        raise ValueError("src must have a unit stride in its last dim")
+    _check(idx.shape == (Bsz,) and not idx.is_floating_point() and idx.dtype != torch.bool,
+           f"idx must be an integer tensor of shape ({Bsz},), got {idx.dtype} {tuple(idx.shape)}")
+    _check(idx.device == src.device, f"idx on {idx.device} but src on {src.device}")
+    _check(src.stride(-1) == 1, "src must have a unit stride in its last dim")
+    _check(idx.is_contiguous(), "idx must be contiguous")  # the kernel reads idx[b] at offset b
     out = torch.empty((Bsz, D), dtype=src.dtype, device=src.device)
     if Bsz == 0 or D == 0:
         return out

@@ -30,11 +30,9 @@ the latter recomputed by every head block of the group):
 import functools
 
 import torch
-import triton
-import triton.language as tl
 
 from kernels.common import (check, conv_silu_ref, load_conv_taps, load_head_params, mamba_dt_ref,
-                            softplus, split_xbc, ssm_step_ref)
+                            softplus, split_xbc, ssm_step_ref, tl, triton)
 
 INF = float("inf")
 CHUNK = 32  # Q: tokens per chunk of the SSD form (tl.dot wants >= 16; 64 spills on sm_90 with N = 128)
@@ -43,8 +41,8 @@ _check = functools.partial(check, "mamba_scan")
 
 
 @triton.jit
-def _conv_silu_tokens(p_xbc, stride_t, o_t, m_t, o_c, m_c, p_conv_w, p_conv_b,
-                      HAS_BIAS: tl.constexpr, W: tl.constexpr):
+def _conv_silu_tokens(p_xbc, p_conv_w, p_conv_b, stride_t, o_t, m_t, o_c, m_c,
+                      W: tl.constexpr, HAS_BIAS: tl.constexpr):
     """silu(causal conv) for tokens o_t (rows) and channels o_c (cols) -> (len(o_t), len(o_c)) fp32;
     inputs before token 0 are the zero padding of the prompt's fresh window."""
     b_acc = tl.zeros([o_t.shape[0], o_c.shape[0]], dtype=tl.float32)
@@ -60,7 +58,7 @@ def _conv_silu_tokens(p_xbc, stride_t, o_t, m_t, o_c, m_c, p_conv_w, p_conv_b,
 
 
 @triton.jit
-def _store_conv_window(p_xbc, stride_t, p_win, T, o_c, m_c, Wm1: tl.constexpr, BLOCK_W: tl.constexpr):
+def _store_conv_window(p_xbc, p_win, T, stride_t, o_c, m_c, Wm1: tl.constexpr, BLOCK_W: tl.constexpr):
     """conv_window[o_c, w] = xBC[T-(W-1)+w, o_c], zero before token 0."""
     o_w = tl.arange(0, BLOCK_W)
     i = T - Wm1 + o_w
@@ -72,7 +70,7 @@ def _store_conv_window(p_xbc, stride_t, p_win, T, o_c, m_c, Wm1: tl.constexpr, B
 @triton.jit
 def _mamba_scan_recurrent_kernel(
     p_xbc, p_dt, p_conv_w, p_conv_b, p_dt_bias, p_A_log, p_D, p_y, p_state, p_win,
-    T, stride_t, stride_dt, dt_lo, dt_hi,
+    T, dt_lo, dt_hi, stride_t, stride_dt,
     H: tl.constexpr, P: tl.constexpr, N: tl.constexpr, G: tl.constexpr, W: tl.constexpr,
     HAS_BIAS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
@@ -113,16 +111,16 @@ def _mamba_scan_recurrent_kernel(
     tl.store(p_state + (i_h * P + o_p[:, None]) * N + o_n[None, :], b_s, mask=m_p[:, None] & m_n[None, :])
     # final window: x channels by their head block, B/C by the group's first head block
     # (vector compare: the interpreter mis-types block mask & scalar bool)
-    _store_conv_window(p_xbc, stride_t, p_win, T, o_cx, m_p, W - 1, BLOCK_W)
+    _store_conv_window(p_xbc, p_win, T, stride_t, o_cx, m_p, W - 1, BLOCK_W)
     m_own = m_n & ((o_n * 0 + (i_h % (H // G)) + i_p) == 0)
-    _store_conv_window(p_xbc, stride_t, p_win, T, o_cb, m_own, W - 1, BLOCK_W)
-    _store_conv_window(p_xbc, stride_t, p_win, T, o_cc, m_own, W - 1, BLOCK_W)
+    _store_conv_window(p_xbc, p_win, T, stride_t, o_cb, m_own, W - 1, BLOCK_W)
+    _store_conv_window(p_xbc, p_win, T, stride_t, o_cc, m_own, W - 1, BLOCK_W)
 
 
 @triton.jit
 def _mamba_scan_chunked_kernel(
     p_xbc, p_dt, p_conv_w, p_conv_b, p_dt_bias, p_A_log, p_D, p_y, p_state, p_win,
-    T, stride_t, stride_dt, dt_lo, dt_hi,
+    T, dt_lo, dt_hi, stride_t, stride_dt,
     H: tl.constexpr, P: tl.constexpr, N: tl.constexpr, G: tl.constexpr, W: tl.constexpr,
     HAS_BIAS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
     Q: tl.constexpr,
@@ -145,9 +143,9 @@ def _mamba_scan_chunked_kernel(
     for t0 in range(0, T, Q):
         o_t = t0 + o_q
         m_t = o_t < T
-        b_x = _conv_silu_tokens(p_xbc, stride_t, o_t, m_t, o_cx, m_p, p_conv_w, p_conv_b, HAS_BIAS, W)  # (Q, BLOCK_P)
-        b_B = _conv_silu_tokens(p_xbc, stride_t, o_t, m_t, o_cb, m_n, p_conv_w, p_conv_b, HAS_BIAS, W)  # (Q, BLOCK_N)
-        b_C = _conv_silu_tokens(p_xbc, stride_t, o_t, m_t, o_cc, m_n, p_conv_w, p_conv_b, HAS_BIAS, W)  # (Q, BLOCK_N)
+        b_x = _conv_silu_tokens(p_xbc, p_conv_w, p_conv_b, stride_t, o_t, m_t, o_cx, m_p, W, HAS_BIAS)  # (Q, BLOCK_P)
+        b_B = _conv_silu_tokens(p_xbc, p_conv_w, p_conv_b, stride_t, o_t, m_t, o_cb, m_n, W, HAS_BIAS)  # (Q, BLOCK_N)
+        b_C = _conv_silu_tokens(p_xbc, p_conv_w, p_conv_b, stride_t, o_t, m_t, o_cc, m_n, W, HAS_BIAS)  # (Q, BLOCK_N)
         b_dt = softplus(tl.load(p_dt + o_t * stride_dt + i_h, mask=m_t, other=0.0).to(tl.float32) + b_dt_bias)
         b_dt = tl.where(m_t, tl.minimum(tl.maximum(b_dt, dt_lo), dt_hi), 0.0)  # (Q,): padding tokens: dt = 0
         b_a = b_dt * b_A  # (Q,) log decays; 0 on padding, so the chunk total is exact
@@ -174,11 +172,10 @@ def _mamba_scan_chunked_kernel(
         b_s = tl.exp(b_alast) * b_s + tl.dot(tl.trans(b_xw), b_B, input_precision="ieee")
 
     tl.store(p_state + (i_h * P + o_p[:, None]) * N + o_n[None, :], b_s, mask=m_p[:, None] & m_n[None, :])
-    _store_conv_window(p_xbc, stride_t, p_win, T, o_cx, m_p, W - 1, BLOCK_W)
+    _store_conv_window(p_xbc, p_win, T, stride_t, o_cx, m_p, W - 1, BLOCK_W)
     m_own = m_n & ((o_n * 0 + (i_h % (H // G)) + i_p) == 0)
-    _store_conv_window(p_xbc, stride_t, p_win, T, o_cb, m_own, W - 1, BLOCK_W)
-    _store_conv_window(p_xbc, stride_t, p_win, T, o_cc, m_own, W - 1, BLOCK_W)
-
+    _store_conv_window(p_xbc, p_win, T, stride_t, o_cb, m_own, W - 1, BLOCK_W)
+    _store_conv_window(p_xbc, p_win, T, stride_t, o_cc, m_own, W - 1, BLOCK_W)
 
 
 def mamba_scan(xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, n_groups: int, head_dim: int,
@@ -192,6 +189,7 @@ def mamba_scan(xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, n_groups: int
     """
     _check(method in ("auto", "recurrent", "chunked"), f"unknown method {method!r}")
     _check(xBC.dim() == 2 and dt.dim() == 2, f"xBC (T, C) and dt (T, H) expected, got {tuple(xBC.shape)}, {tuple(dt.shape)}")
+    _check(xBC.is_floating_point() and dt.is_floating_point(), f"xBC and dt must be float, got {xBC.dtype}, {dt.dtype}")
     T, C = xBC.shape
     H = dt.shape[1]
     P, G = head_dim, n_groups
@@ -222,7 +220,7 @@ def mamba_scan(xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, n_groups: int
     common = dict(H=H, P=P, N=N, G=G, W=W, HAS_BIAS=conv_bias is not None, BLOCK_P=BLOCK_P,
                   BLOCK_N=max(16, triton.next_power_of_2(N)), BLOCK_W=triton.next_power_of_2(W))
     args = (xBC, dt, conv_weight, conv_bias if conv_bias is not None else conv_weight, dt_bias, A_log, D,
-            y, state, window, T, xBC.stride(0), dt.stride(0), float(dt_limit[0]), float(dt_limit[1]))
+            y, state, window, T, float(dt_limit[0]), float(dt_limit[1]), xBC.stride(0), dt.stride(0))
     grid = (H, triton.cdiv(P, BLOCK_P))
     if method == "recurrent":
         _mamba_scan_recurrent_kernel[grid](*args, **common, num_warps=4)

@@ -27,11 +27,9 @@ The Triton version is two launches:
 import functools
 
 import torch
-import triton
-import triton.language as tl
 
 from kernels.common import (check, conv_silu_ref, load_conv_taps, load_head_params, mamba_dt_ref,
-                            softplus, split_xbc, ssm_step_ref)
+                            softplus, split_xbc, ssm_step_ref, tl, triton)
 
 INF = float("inf")
 
@@ -39,7 +37,7 @@ _check = functools.partial(check, "mamba_verify")
 
 
 @triton.jit
-def _conv_silu_row(p_conv_state, p_xbc_b, stride_xk, o_c, m_c, w_c, bias_c, j,
+def _conv_silu_row(p_conv_state, p_xbc_b, j, stride_xk, o_c, m_c, b_w, b_bias,
                    Wm1: tl.constexpr, BLOCK_W: tl.constexpr):
     """silu(conv) of row j for the channels o_c: taps are window positions j .. j+W-1,
     position i < W-1 from the slot's conv_state, i >= W-1 from xBC row i-(W-1)."""
@@ -53,12 +51,12 @@ def _conv_silu_row(p_conv_state, p_xbc_b, stride_xk, o_c, m_c, w_c, bias_c, j,
     b_new = tl.load(p_xbc_b + (i[None, :] - Wm1) * stride_xk + o_c[:, None], mask=m_new, other=0.0)
     b_new = b_new.to(p_conv_state.dtype.element_ty)
     b_win = b_old.to(tl.float32) + b_new.to(tl.float32)  # (BLOCK_C, BLOCK_W), disjoint masks
-    b_out = tl.sum(b_win * w_c, axis=1) + bias_c
+    b_out = tl.sum(b_win * b_w, axis=1) + b_bias
     return b_out / (1.0 + tl.exp(-b_out))
 
 
 @triton.jit
-def _store_window(p_conv_state, p_xbc_b, stride_xk, p_stash_b, K, o_c, m_c,
+def _store_window(p_conv_state, p_xbc_b, p_stash_b, K, stride_xk, o_c, m_c,
                   Wm1: tl.constexpr, BLOCK_L: tl.constexpr):
     """conv_stash[b, o_c, :] = [conv_state[s, o_c] | xBC[b, :, o_c]]   (channels, W-1+K)."""
     o_l = tl.arange(0, BLOCK_L)
@@ -110,9 +108,9 @@ def _mamba_verify_kernel(
     b_s = tl.load(p_state, mask=m_pn, other=0.0)  # (BLOCK_P, BLOCK_N) fp32, read once
 
     for j in range(K):
-        b_x = _conv_silu_row(p_cs, p_xb, stride_xk, o_cx, m_p, b_wx, b_bx, j, Wm1, BLOCK_W)
-        b_B = _conv_silu_row(p_cs, p_xb, stride_xk, o_cb, m_n, b_wb, b_bb, j, Wm1, BLOCK_W)
-        b_C = _conv_silu_row(p_cs, p_xb, stride_xk, o_cc, m_n, b_wc, b_bc, j, Wm1, BLOCK_W)
+        b_x = _conv_silu_row(p_cs, p_xb, j, stride_xk, o_cx, m_p, b_wx, b_bx, Wm1, BLOCK_W)
+        b_B = _conv_silu_row(p_cs, p_xb, j, stride_xk, o_cb, m_n, b_wb, b_bb, Wm1, BLOCK_W)
+        b_C = _conv_silu_row(p_cs, p_xb, j, stride_xk, o_cc, m_n, b_wc, b_bc, Wm1, BLOCK_W)
         b_dt = softplus(tl.load(p_dt + i_b * stride_db + j * stride_dk + i_h).to(tl.float32) + b_dt_bias)
         b_dt = tl.minimum(tl.maximum(b_dt, dt_lo), dt_hi)
         # S = exp(dt A) S + (dt x) B^T ;  y = S C + D x   (same operation order as ssm_step_ref)
@@ -124,12 +122,12 @@ def _mamba_verify_kernel(
 
     # conv_stash[b]: each channel written by exactly one program
     p_stash_b = p_conv_stash + i_b.to(tl.int64) * C * (Wm1 + K)
-    _store_window(p_cs, p_xb, stride_xk, p_stash_b, K, o_cx, m_p, Wm1, BLOCK_L)
+    _store_window(p_cs, p_xb, p_stash_b, K, stride_xk, o_cx, m_p, Wm1, BLOCK_L)
     # B/C channels: only the first head block of the group (a vector compare, because the
     # interpreter mis-types a block mask & a scalar bool)
     m_own = m_n & ((o_n * 0 + (i_h % (H // G)) + i_p) == 0)
-    _store_window(p_cs, p_xb, stride_xk, p_stash_b, K, o_cb, m_own, Wm1, BLOCK_L)
-    _store_window(p_cs, p_xb, stride_xk, p_stash_b, K, o_cc, m_own, Wm1, BLOCK_L)
+    _store_window(p_cs, p_xb, p_stash_b, K, stride_xk, o_cb, m_own, Wm1, BLOCK_L)
+    _store_window(p_cs, p_xb, p_stash_b, K, stride_xk, o_cc, m_own, Wm1, BLOCK_L)
 
 
 @triton.jit
@@ -145,7 +143,6 @@ def _conv_window_kernel(p_conv_stash, p_conv_state, p_slot, K, C,
     tl.store(p_conv_state + i_s * C * Wm1 + o_c[:, None] * Wm1 + o_w[None, :], b_w, mask=m)
 
 
-
 def mamba_verify(xBC, dt, conv_state, ssm_state, slot_ids, conv_weight, conv_bias, dt_bias, A_log, D,
                  ssm_stash, conv_stash, n_groups: int, dt_limit=(0.0, INF)):
     """Triton version of mamba_verify_ref (same arguments, same in-place writes, returns y (B, K, H, P)).
@@ -156,6 +153,7 @@ def mamba_verify(xBC, dt, conv_state, ssm_state, slot_ids, conv_weight, conv_bia
     slot_ids (B,) integer must be contiguous. slot_ids must be distinct (not checked: no host sync).
     """
     _check(xBC.dim() == 3 and dt.dim() == 3, f"xBC (B, K, C) and dt (B, K, H) expected, got {tuple(xBC.shape)}, {tuple(dt.shape)}")
+    _check(xBC.is_floating_point() and dt.is_floating_point(), f"xBC and dt must be float, got {xBC.dtype}, {dt.dtype}")
     Bsz, K, C = xBC.shape
     _check(ssm_state.dim() == 4, f"ssm_state must be (S, H, P, N), got {tuple(ssm_state.shape)}")
     S, H, P, N = ssm_state.shape

@@ -15,16 +15,14 @@ promote(weight, h) dtype.
 import functools
 
 import torch
-import triton
-import triton.language as tl
 
-from kernels.common import check, rms_normalize
+from kernels.common import check, rms_normalize, tl, triton
 
 _check = functools.partial(check, "rmsnorm")
 
 
 @triton.jit
-def _rmsnorm_kernel(p_x, p_res, p_w, p_y, p_h, D, stride_x, stride_r, eps, multiplier,
+def _rmsnorm_kernel(p_x, p_res, p_w, p_y, p_h, D, eps, multiplier, stride_x, stride_r,
                     HAS_RES: tl.constexpr, BLOCK_D: tl.constexpr):
     i_m = tl.program_id(0).to(tl.int64)
     o_d = tl.arange(0, BLOCK_D)
@@ -42,7 +40,6 @@ def _rmsnorm_kernel(p_x, p_res, p_w, p_y, p_h, D, stride_x, stride_r, eps, multi
     b_n = rms_normalize(b_hf, D, eps, ty)
     b_w = tl.load(p_w + o_d, mask=m_d, other=0.0).to(tl.float32)
     tl.store(p_y + i_m * D + o_d, (b_w * b_n).to(p_y.dtype.element_ty), mask=m_d)
-
 
 
 def rmsnorm(x, weight, eps: float, residual=None, multiplier: float = 1.0):
@@ -67,7 +64,7 @@ def rmsnorm(x, weight, eps: float, residual=None, multiplier: float = 1.0):
     r2 = residual.reshape(-1, D) if residual is not None else x2
     BLOCK_D = triton.next_power_of_2(D)
     _rmsnorm_kernel[(x2.shape[0],)](
-        x2, r2, weight, y, h, D, x2.stride(0), r2.stride(0), float(eps), float(multiplier),
+        x2, r2, weight, y, h, D, float(eps), float(multiplier), x2.stride(0), r2.stride(0),
         HAS_RES=residual is not None, BLOCK_D=BLOCK_D, num_warps=min(16, max(1, BLOCK_D // 256)),
     )
     return y, h

@@ -1,33 +1,34 @@
 """Greedy verdict in one pass over the logits.
 
-For logits (B, K, V): picks[b, j] = argmax (the first maximal index on ties),
-logprobs[b, j] = log_softmax(logits[b, j])[picks[b, j]] = max - logsumexp, and
+For logits (B, K, V): picks[b, j] = argmax (the first maximal index on ties) and
 na[b] = the number of leading drafts equal to the pick of their row, clamped to
 num_drafts[b] (the valid drafts; the rest of the (B, K-1) drafts are padding).
+(Log-probabilities are not computed here: the engine computes them from the logits
+only when a request asks for them.)
 
 One read of the logits: each row is cut into SPLITS chunks of whole BLOCK_V tiles
-and `_row_stats_kernel` walks one chunk keeping an online max, its first index and
-the sum of exponentials rescaled to the running max,
-
-    m' = max(m, max x);   s' = s e^(m - m') + sum e^(x - m')      (logsumexp = m + log s)
-
+and `_row_stats_kernel` walks one chunk keeping a running max and its first index
 (the argmax moves only on a strictly larger block max, so ties keep the first index).
 `_verdict_kernel` (one program per sequence) merges the SPLITS partials of its K rows
-the same way (on equal maxima the smaller index wins) and counts the leading drafts
-that match. Splitting V gives a batch of one sequence enough programs to use the
-whole device when V is 100k+; the split count depends on shapes only.
+(on equal maxima the smaller index wins) and counts the leading drafts that match.
+Splitting V gives a batch of one sequence enough programs to use the whole device
+when V is 100k+; the split count depends on shapes only.
 """
+import functools
+
 import torch
-import triton
-import triton.language as tl
+
+from kernels.common import check, tl, triton
+
+_check = functools.partial(check, "verdict_greedy")
 
 
 @triton.jit
 def _row_stats_kernel(
-    p_logits, p_pm, p_pa, p_ps, V, CHUNK, s_l_b, s_l_k,
+    p_logits, p_pm, p_pa, V, CHUNK, s_l_b, s_l_k,
     K: tl.constexpr, SPLITS: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    """grid (B * K, SPLITS): partial (max, first argmax, sum e^(x - max)) of one chunk of one row."""
+    """grid (B * K, SPLITS): partial (max, first argmax) of one chunk of one row."""
     i_row, i_s = tl.program_id(0), tl.program_id(1)
     i_b, i_j = i_row // K, i_row % K
     p_row = p_logits + i_b.to(tl.int64) * s_l_b + i_j * s_l_k
@@ -36,28 +37,23 @@ def _row_stats_kernel(
     o_v = tl.arange(0, BLOCK_V)
     b_max = float("-inf")
     b_arg = lo
-    b_sum = 0.0
     for start in range(lo, hi, BLOCK_V):
         o_x = start + o_v
         b_x = tl.load(p_row + o_x, mask=o_x < hi, other=float("-inf")).to(tl.float32)  # (BLOCK_V,)
         b_bmax = tl.max(b_x, 0)
         b_barg = tl.min(tl.where(b_x == b_bmax, o_x, V), 0)  # first maximal index of the block
         b_arg = tl.where(b_bmax > b_max, b_barg, b_arg)
-        b_new = tl.maximum(b_max, b_bmax)
-        b_safe = tl.where(b_new == float("-inf"), 0.0, b_new)  # rows of -inf (masked vocab) stay NaN-free
-        b_sum = b_sum * tl.exp(b_max - b_safe) + tl.sum(tl.exp(b_x - b_safe), 0)
-        b_max = b_new
+        b_max = tl.maximum(b_max, b_bmax)
     tl.store(p_pm + i_row * SPLITS + i_s, b_max)
     tl.store(p_pa + i_row * SPLITS + i_s, b_arg)
-    tl.store(p_ps + i_row * SPLITS + i_s, b_sum)
 
 
 @triton.jit
 def _verdict_kernel(
-    p_pm, p_pa, p_ps, p_drafts, p_nd, p_picks, p_na, p_lp, V, s_d_b, s_d_k,
+    p_pm, p_pa, p_drafts, p_nd, p_picks, p_na, V, s_d_b, s_d_k,
     K: tl.constexpr, SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
 ):
-    """grid (B,): merge the partials of the K rows of sequence b; picks, logprobs and na."""
+    """grid (B,): merge the partials of the K rows of sequence b; picks and na."""
     i_b = tl.program_id(0)
     nd = tl.load(p_nd + i_b)
     o_s = tl.arange(0, SPLITS_PAD)
@@ -68,13 +64,9 @@ def _verdict_kernel(
         o_p = (i_b * K + j) * SPLITS + o_s
         b_m = tl.load(p_pm + o_p, mask=m_s, other=float("-inf"))  # (SPLITS_PAD,)
         b_a = tl.load(p_pa + o_p, mask=m_s, other=V)
-        b_s = tl.load(p_ps + o_p, mask=m_s, other=0.0)
         b_max = tl.max(b_m, 0)
         b_pick = tl.min(tl.where(b_m == b_max, b_a, V), 0)  # splits are in V order: smallest index wins a tie
-        b_safe = tl.where(b_max == float("-inf"), 0.0, b_max)
-        b_lse = b_safe + tl.log(tl.sum(b_s * tl.exp(b_m - b_safe), 0))
         tl.store(p_picks + i_b * K + j, b_pick.to(tl.int64))
-        tl.store(p_lp + i_b * K + j, b_max - b_lse)
         if j < K - 1:
             b_d = tl.load(p_drafts + i_b * s_d_b + j * s_d_k)
             b_alive = b_alive & (b_d == b_pick) & (j < nd)
@@ -84,27 +76,22 @@ def _verdict_kernel(
 
 def _verdict_greedy(logits, drafts, num_drafts, block_v=None, num_splits=None):
     """verdict_greedy with the tile and split sizes exposed (tests force several of each)."""
-    if logits.dim() != 3:
-        raise ValueError(f"logits must be (B, K, V), got {tuple(logits.shape)}")
+    _check(logits.dim() == 3, f"logits must be (B, K, V), got {tuple(logits.shape)}")
     Bsz, K, V = logits.shape
-    if K < 1 or V < 1:
-        raise ValueError(f"logits needs K >= 1 and V >= 1, got {tuple(logits.shape)}")
-    if not logits.is_floating_point():
-        raise ValueError(f"logits must be floating point, got {logits.dtype}")
-    if logits.stride(-1) != 1:
-        raise ValueError("logits must have a unit stride in its last dim")
-    if drafts.shape != (Bsz, K - 1) or drafts.is_floating_point():
-        raise ValueError(f"drafts must be an integer tensor ({Bsz}, {K - 1}), got {drafts.dtype} {tuple(drafts.shape)}")
-    if num_drafts.shape != (Bsz,) or num_drafts.is_floating_point():
-        raise ValueError(f"num_drafts must be an integer tensor ({Bsz},), got {num_drafts.dtype} {tuple(num_drafts.shape)}")
-    if not (logits.device == drafts.device == num_drafts.device):
-        raise ValueError("logits, drafts, num_drafts must be on one device")
+    _check(K >= 1 and V >= 1, f"logits needs K >= 1 and V >= 1, got {tuple(logits.shape)}")
+    _check(logits.is_floating_point(), f"logits must be floating point, got {logits.dtype}")
+    _check(logits.stride(-1) == 1, "logits must have a unit stride in its last dim")
+    _check(drafts.shape == (Bsz, K - 1) and not drafts.is_floating_point(),
+           f"drafts must be an integer tensor ({Bsz}, {K - 1}), got {drafts.dtype} {tuple(drafts.shape)}")
+    _check(num_drafts.shape == (Bsz,) and not num_drafts.is_floating_point(),
+           f"num_drafts must be an integer tensor ({Bsz},), got {num_drafts.dtype} {tuple(num_drafts.shape)}")
+    _check(num_drafts.is_contiguous(), "num_drafts must be contiguous")  # read at offset b
+    _check(logits.device == drafts.device == num_drafts.device, "logits, drafts, num_drafts must be on one device")
     dev = logits.device
     picks = torch.empty((Bsz, K), dtype=torch.int64, device=dev)
     na = torch.empty((Bsz,), dtype=torch.int64, device=dev)
-    logprobs = torch.empty((Bsz, K), dtype=torch.float32, device=dev)
     if Bsz == 0:
-        return picks, na, logprobs
+        return picks, na
 
     BLOCK_V = block_v or min(2048 if logits.is_cuda else 1024, triton.next_power_of_2(V))
     if num_splits is None:
@@ -112,19 +99,18 @@ def _verdict_greedy(logits, drafts, num_drafts, block_v=None, num_splits=None):
         num_splits = max(1, min(triton.cdiv(2 * n_sm, Bsz * K), triton.cdiv(V, 4 * BLOCK_V)))
     chunk = triton.cdiv(triton.cdiv(V, num_splits), BLOCK_V) * BLOCK_V
     splits = triton.cdiv(V, chunk)
-    pm = torch.empty((Bsz * K, splits), dtype=torch.float32, device=dev)
-    pa = torch.empty((Bsz * K, splits), dtype=torch.int32, device=dev)
-    ps = torch.empty((Bsz * K, splits), dtype=torch.float32, device=dev)
+    pm = torch.empty((Bsz * K, splits), dtype=torch.float32, device=dev)  # partial maxima
+    pa = torch.empty((Bsz * K, splits), dtype=torch.int32, device=dev)  # their first indices
     _row_stats_kernel[(Bsz * K, splits)](
-        logits, pm, pa, ps, V, chunk, logits.stride(0), logits.stride(1),
+        logits, pm, pa, V, chunk, logits.stride(0), logits.stride(1),
         K=K, SPLITS=splits, BLOCK_V=BLOCK_V,
     )
     d = drafts if K > 1 else picks  # never read when K = 1
     _verdict_kernel[(Bsz,)](
-        pm, pa, ps, d, num_drafts, picks, na, logprobs, V, d.stride(0), d.stride(1) if K > 1 else 0,
+        pm, pa, d, num_drafts, picks, na, V, d.stride(0), d.stride(1) if K > 1 else 0,
         K=K, SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
     )
-    return picks, na, logprobs
+    return picks, na
 
 
 def verdict_greedy(logits, drafts, num_drafts):
@@ -135,11 +121,9 @@ def verdict_greedy(logits, drafts, num_drafts):
 
 def verdict_greedy_ref(logits, drafts, num_drafts):
     """logits (B, K, V), drafts (B, K-1) int64, num_drafts (B,) int64 ->
-    (picks (B, K) int64, na (B,) int64, logprobs (B, K) fp32)."""
-    lf = logits.float()
-    picks = lf.argmax(-1)
-    logprobs = lf.amax(-1) - torch.logsumexp(lf, -1)
+    (picks (B, K) int64, na (B,) int64)."""
+    picks = logits.float().argmax(-1)  # (B, K)
     K = logits.shape[1]
     match = (drafts == picks[:, : K - 1]) & (torch.arange(K - 1, device=logits.device) < num_drafts[:, None])
     na = match.long().cumprod(-1).sum(-1)
-    return picks, na, logprobs
+    return picks, na

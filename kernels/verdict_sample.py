@@ -1,4 +1,4 @@
-"""Sampled verdict: the lossless rejection rule (SPEC §4).
+"""Sampled verdict: the lossless rejection rule (docs/DESIGN.md §5).
 
 Per sequence with target probabilities p_j (temperature, top-k, top-p applied to
 the logits of row j) and the draft probabilities q_j the drafts were sampled from:
@@ -27,9 +27,13 @@ steps. The total is the last element of the kernel's own scan (not a separate su
 the search and the threshold are consistent and a draw never runs past the last token
 with mass except where the reference would too.
 """
+import functools
+
 import torch
-import triton
-import triton.language as tl
+
+from kernels.common import check, tl, triton
+
+_check = functools.partial(check, "verdict_sample")
 
 
 @triton.jit
@@ -108,26 +112,24 @@ def _verdict_sample_kernel(
 
 def _verdict_sample(logits, draft_probs, drafts, num_drafts, uniforms, temperature, top_k, top_p, block_v=None):
     """verdict_sample with the V tile exposed (tests force several tiles)."""
-    if logits.dim() != 3:
-        raise ValueError(f"logits must be (B, K, V), got {tuple(logits.shape)}")
+    _check(logits.dim() == 3, f"logits must be (B, K, V), got {tuple(logits.shape)}")
     Bsz, K, V = logits.shape
-    if K < 1 or V < 1:
-        raise ValueError(f"logits needs K >= 1 and V >= 1, got {tuple(logits.shape)}")
-    if draft_probs.shape != (Bsz, K - 1, V) or not draft_probs.is_floating_point():
-        raise ValueError(f"draft_probs must be float ({Bsz}, {K - 1}, {V}), got {draft_probs.dtype} {tuple(draft_probs.shape)}")
-    if drafts.shape != (Bsz, K - 1) or drafts.is_floating_point():
-        raise ValueError(f"drafts must be an integer tensor ({Bsz}, {K - 1}), got {drafts.dtype} {tuple(drafts.shape)}")
-    if num_drafts.shape != (Bsz,) or num_drafts.is_floating_point():
-        raise ValueError(f"num_drafts must be an integer tensor ({Bsz},), got {num_drafts.dtype} {tuple(num_drafts.shape)}")
-    if uniforms.shape != (Bsz, K) or uniforms.dtype not in (torch.float32, torch.float64):
-        raise ValueError(f"uniforms must be fp32/fp64 ({Bsz}, {K}), got {uniforms.dtype} {tuple(uniforms.shape)}")
+    _check(K >= 1 and V >= 1, f"logits needs K >= 1 and V >= 1, got {tuple(logits.shape)}")
+    _check(logits.is_floating_point(), f"logits must be floating point, got {logits.dtype}")
+    _check(draft_probs.shape == (Bsz, K - 1, V) and draft_probs.is_floating_point(),
+           f"draft_probs must be float ({Bsz}, {K - 1}, {V}), got {draft_probs.dtype} {tuple(draft_probs.shape)}")
+    _check(drafts.shape == (Bsz, K - 1) and not drafts.is_floating_point(),
+           f"drafts must be an integer tensor ({Bsz}, {K - 1}), got {drafts.dtype} {tuple(drafts.shape)}")
+    _check(num_drafts.shape == (Bsz,) and not num_drafts.is_floating_point(),
+           f"num_drafts must be an integer tensor ({Bsz},), got {num_drafts.dtype} {tuple(num_drafts.shape)}")
+    _check(uniforms.shape == (Bsz, K) and uniforms.dtype in (torch.float32, torch.float64),
+           f"uniforms must be fp32/fp64 ({Bsz}, {K}), got {uniforms.dtype} {tuple(uniforms.shape)}")
     for name, t in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p)):
-        if t.shape != (Bsz,):
-            raise ValueError(f"{name} must be ({Bsz},), got {tuple(t.shape)}")
-    if len({t.device for t in (logits, draft_probs, drafts, num_drafts, uniforms, temperature, top_k, top_p)}) != 1:
-        raise ValueError("all tensors must be on one device")
-    if K > 1 and draft_probs.stride(-1) != 1:
-        raise ValueError("draft_probs must have a unit stride in its last dim")
+        _check(t.shape == (Bsz,), f"{name} must be ({Bsz},), got {tuple(t.shape)}")
+    _check(len({t.device for t in (logits, draft_probs, drafts, num_drafts, uniforms, temperature, top_k, top_p)}) == 1,
+           "all tensors must be on one device")
+    _check(K == 1 or draft_probs.stride(-1) == 1, "draft_probs must have a unit stride in its last dim")
+    _check(num_drafts.is_contiguous(), "num_drafts must be contiguous")  # read at offset b
     dev = logits.device
     na = torch.empty((Bsz,), dtype=torch.int64, device=dev)
     token = torch.empty((Bsz,), dtype=torch.int64, device=dev)
@@ -154,13 +156,15 @@ def verdict_sample(logits, draft_probs, drafts, num_drafts, uniforms, temperatur
     return _verdict_sample(logits, draft_probs, drafts, num_drafts, uniforms, temperature, top_k, top_p)
 
 
-
-
 def sampling_probs_ref(logits, temperature, top_k, top_p):
     """logits (B, R, V); temperature (B,) > 0, top_k (B,) int (0 = off), top_p (B,) in (0, 1] ->
     probs (B, R, V) fp32. top-k keeps the k largest; top-p keeps the smallest prefix of the sorted
     distribution whose mass reaches top_p (at least one token). Applied to draft and target alike."""
-    lf = logits.float() / temperature[:, None, None]
+    # Shift by the row max before scaling: (x - max) / T <= 0 cannot overflow however small T is. T is
+    # floored at fp32's smallest normal, since a tiny T (1e-300) rounds to 0 in fp32.
+    lf = logits.float()
+    t = temperature.float().clamp(min=torch.finfo(torch.float32).tiny)[:, None, None]
+    lf = (lf - lf.amax(-1, keepdim=True)) / t
     V = lf.shape[-1]
     sorted_l, order = lf.sort(-1, descending=True)
     rank = torch.arange(V, device=lf.device)

@@ -1,4 +1,4 @@
-"""Slots and stashes (SPEC §3), as stacked tensors.
+"""Slots and stashes (docs/DESIGN.md §3), as stacked tensors.
 
 A slot s holds one live sequence. All Mamba layers share one tensor per kind of
 state, so one launch can commit every layer of every sequence:

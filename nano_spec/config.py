@@ -2,7 +2,7 @@
 
 Field names are those of transformers' GraniteMoeHybridConfig, so a config.json
 written for that architecture (dense: num_local_experts = 0) loads unchanged and
-ours loads there. Paper symbols of SPEC §1 in the comments.
+ours loads there. Paper symbols of docs/DESIGN.md §1 in the comments.
 """
 import json
 import math
@@ -114,6 +114,7 @@ class ModelConfig:
         if not isinstance(d, dict):
             raise ConfigError("config.json must hold a JSON object")
         d = _decode_floats(d)
+        _check_architecture(d)
         missing = [k for k in REQUIRED if k not in d]
         if missing:
             raise ConfigError(f"config.json: missing field(s) {', '.join(missing)}")
@@ -129,10 +130,7 @@ class ModelConfig:
         rope = d.get("rope_parameters") or {}
         if "rope_theta" in rope:
             kw["rope_theta"] = rope["rope_theta"]
-        if d.get("time_step_limit") is not None:
-            kw["time_step_limit"] = tuple(float(x) for x in d["time_step_limit"])
-        else:
-            kw["time_step_limit"] = (0.0, math.inf)
+        kw["time_step_limit"] = _time_step_limit(d.get("time_step_limit"))
         cfg = cls(**kw)
         cfg._validate()
         return cfg
@@ -208,9 +206,32 @@ class ModelConfig:
                 raise ConfigError(f"{name}: {v!r} is not a finite number")
         if self.logits_scaling == 0 or self.rms_norm_eps <= 0:
             raise ConfigError("logits_scaling must be non-zero and rms_norm_eps positive")
+        if self.rope_theta <= 0:
+            raise ConfigError(f"rope_theta: {self.rope_theta!r} must be positive")
         for e in self.eos_ids:
             if not (isinstance(e, int) and 0 <= e < self.vocab_size):
                 raise ConfigError(f"eos_token_id: {e!r} is not a token id below vocab_size {self.vocab_size}")
+
+
+def _check_architecture(d: dict):
+    """Refuse other hybrids (NemotronH, Bamba, ...) by name, before any field-level message."""
+    model_type = d.get("model_type")
+    if model_type is not None and model_type != "granitemoehybrid":
+        raise ConfigError(f"model_type: {model_type!r} is not supported; nano_spec runs the dense "
+                          "GraniteMoeHybrid (model_type 'granitemoehybrid')")
+    archs = d.get("architectures")
+    if archs is not None and (not isinstance(archs, list) or "GraniteMoeHybridForCausalLM" not in archs):
+        raise ConfigError(f"architectures: {archs!r} is not supported; nano_spec runs GraniteMoeHybridForCausalLM")
+
+
+def _time_step_limit(v) -> tuple:
+    """[lo, hi] of two numbers (hi may be infinity); absent or null means (0, inf)."""
+    if v is None:
+        return (0.0, math.inf)
+    if (not isinstance(v, (list, tuple)) or len(v) != 2
+            or any(isinstance(x, bool) or not isinstance(x, (int, float)) or math.isnan(x) for x in v)):
+        raise ConfigError(f"time_step_limit: expected [lo, hi] of two numbers, got {v!r}")
+    return (float(v[0]), float(v[1]))
 
 
 def _layer_types(d: dict) -> list:

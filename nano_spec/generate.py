@@ -1,10 +1,16 @@
 """python -m nano_spec.generate: complete prompts with speculative decoding.
 
 With no arguments it loads the weights shipped in weights/ and streams the
-completion of a default prompt. User errors print one line and exit with status 2.
+completion of a default prompt. Exit status: 0 when every request finished, 2 for a
+user error (one line on stderr, nothing queued), 1 when a request failed inside the
+engine (its error on stderr, and in the `error` field with --json).
+
+--show-drafts colours each emitted token by its origin (docs/DESIGN.md §1); --trace
+prints one line per engine step and sequence on stderr.
 """
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -32,6 +38,9 @@ def parse_args(argv):
     p.add_argument("--logprobs", type=int, default=0, help="report each token's logprob and the top-N")
     p.add_argument("--stats", action="store_true", help="print tau, accept_at, tokens/s and phase times")
     p.add_argument("--json", action="store_true", help="one JSON object per request on stdout")
+    p.add_argument("--show-drafts", action="store_true",
+                   help="colour each token by origin: accepted draft, correction, bonus (plain marks without a tty)")
+    p.add_argument("--trace", action="store_true", help="one line per step and sequence on stderr")
     return p.parse_args(argv)
 
 
@@ -56,6 +65,62 @@ def read_prompts(args) -> list:
     return prompts or [DEFAULT_PROMPT]
 
 
+# origin -> (ANSI colour, plain-text brackets, legend)
+ORIGINS = {
+    "draft": ("\033[32m", "[]", "accepted draft"),
+    "correction": ("\033[31m", "{}", "target's pick after a rejected draft"),
+    "bonus": ("\033[34m", "<>", "target's pick after every draft was accepted"),
+    "prefill": ("\033[1m", "||", "first token, from the prefill"),
+}
+RESET = "\033[0m"
+
+
+def use_colour(stream) -> bool:
+    return stream.isatty() and "NO_COLOR" not in os.environ
+
+
+def token_pieces(tok, ids: list) -> list:
+    """The text each token adds. A character split across tokens is given to the token that completes it."""
+    pieces, done = [], ""
+    for i in range(len(ids)):
+        text = tok.decode(ids[: i + 1]).rstrip("\ufffd")
+        pieces.append(text[len(done) :] if text.startswith(done) else "")
+        done = text if text.startswith(done) else done
+    return pieces
+
+
+def show_drafts(tok, out, colour: bool) -> str:
+    """The completion with each run of tokens of one origin coloured (or bracketed without colour)."""
+    parts, pieces = [], token_pieces(tok, out.token_ids)
+    for piece, origin in zip(pieces, out.origins):
+        if parts and parts[-1][0] == origin:
+            parts[-1][1] += piece
+        else:
+            parts.append([origin, piece])
+    if colour:
+        return "".join(f"{ORIGINS[o][0]}{t}{RESET}" for o, t in parts)
+    return "".join(f"{ORIGINS[o][1][0]}{t}{ORIGINS[o][1][1]}" for o, t in parts)
+
+
+def legend(colour: bool) -> str:
+    marks = [(f"{c}{name}{RESET}" if colour else f"{b[0]}{name}{b[1]}") + f" {what}" for name, (c, b, what) in
+             ORIGINS.items()]
+    return "legend: " + "   ".join(marks)
+
+
+def tracer(tok):
+    def on_step(report):
+        times = " ".join(f"{p} {s * 1e3:.2f}" for p, s in report.phase_seconds.items())
+        for seq_id, first in report.admitted:
+            print(f"step {report.index} seq {seq_id} prefill -> {tok.decode([first])!r} | {times} ms", file=sys.stderr)
+        for r in report.rows:
+            words = lambda ids: "[" + ", ".join(repr(tok.decode([t])) for t in ids) + "]"  # noqa: E731
+            end = f" finished: {r.finish_reason}" if r.finish_reason else ""
+            print(f"step {report.index} seq {r.seq_id} drafts {words(r.drafts)} na {r.na} emitted {words(r.emitted)}"
+                  f"{end} | {times} ms", file=sys.stderr)
+    return on_step
+
+
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     from nano_spec import LLM, SamplingParams  # after argparse: --help stays instant
@@ -67,38 +132,53 @@ def main(argv=None) -> int:
         llm = LLM(args.model, backend=args.backend, device=args.device, dtype=args.dtype, max_batch=args.max_batch,
                   num_drafts=0 if args.no_spec else args.num_drafts, proposer="none" if args.no_spec else args.proposer,
                   max_seq_len=args.max_seq_len)
+        if args.trace:
+            llm.on_step = tracer(llm.tokenizer)
         t0 = time.perf_counter()
-        if len(prompts) == 1 and not args.json:
+        if len(prompts) == 1 and not (args.json or args.show_drafts):
             print(prompts[0], end="", flush=True)
-            for piece in llm.stream(prompts[0], params):
+            stream = llm.stream(prompts[0], params)
+            for piece in stream:
                 print(piece, end="", flush=True)
             print()
-            n_tokens = llm.stats["emitted"] + 1  # verify-emitted tokens plus the prefill's one
+            outs = [stream.output]
         else:
             outs = llm.generate(prompts, params)
-            n_tokens = sum(len(o.token_ids) for o in outs)
+            colour = use_colour(sys.stdout)
+            if args.show_drafts and not args.json:
+                print(legend(colour))
             for o in outs:
                 if args.json:
                     print(json.dumps({"prompt": o.prompt, "text": o.text, "token_ids": o.token_ids,
-                                      "finish_reason": o.finish_reason, "tau": o.tau, "logprobs": o.logprobs,
-                                      "top_logprobs": o.top_logprobs}))
+                                      "origins": o.origins, "finish_reason": o.finish_reason, "error": o.error,
+                                      "tau": o.tau, "logprobs": o.logprobs, "top_logprobs": o.top_logprobs}))
+                elif args.show_drafts:
+                    print(f"--- {o.finish_reason} ---\n{o.prompt}{show_drafts(llm.tokenizer, o, colour)}")
                 else:
                     print(f"--- {o.finish_reason} ---\n{o.prompt}{o.text}")
         elapsed = time.perf_counter() - t0
     except ValueError as e:  # every user error is a ValueError with a message naming the problem
         print(f"error: {e}", file=sys.stderr)
         return 2
+    failed = [(i, o) for i, o in enumerate(outs) if o.finish_reason == "error"]
+    for i, o in failed:
+        print(f"error: request {i} failed in the engine: {o.error}", file=sys.stderr)
     if args.stats:
-        st = llm.stats
-        print(f"tokens/s {n_tokens / elapsed:.1f}  tau {st['tau']:.3f}  accept_at "
-              f"{[round(a, 3) for a in st['accept_at']]}  verify steps {st['verify_steps']}", file=sys.stderr)
-        for bucket, b in st["accept_at_by_seq_len"].items():
-            print(f"  seq_len {bucket:<9} steps {b['steps']:<6} accept_at {[round(a, 3) for a in b['accept_at']]}",
-                  file=sys.stderr)
-        for phase, secs in st["phase_seconds"].items():
-            print(f"  {phase:<8} {secs * 1e3:9.1f} ms  histogram {st['phase_histogram_ms'][phase]}", file=sys.stderr)
-        print(f"  histogram bucket upper edges (ms): {st['phase_histogram_ms']['edges']}", file=sys.stderr)
-    return 0
+        print_stats(llm.stats, [o for o in outs if o.finish_reason != "error"], elapsed)
+    return 1 if failed else 0
+
+
+def print_stats(st: dict, good: list, elapsed: float):
+    n_tokens = sum(len(o.token_ids) for o in good)
+    rate = f"tokens/s {n_tokens / elapsed:.1f}  " if n_tokens else "tokens/s -  "  # failed requests do not count
+    print(f"{rate}tau {st['tau']:.3f}  accept_at {[round(a, 3) for a in st['accept_at']]}  "
+          f"verify steps {st['verify_steps']}", file=sys.stderr)
+    for bucket, b in st["accept_at_by_seq_len"].items():
+        print(f"  seq_len {bucket:<9} steps {b['steps']:<6} accept_at {[round(a, 3) for a in b['accept_at']]}",
+              file=sys.stderr)
+    for phase, secs in st["phase_seconds"].items():
+        print(f"  {phase:<8} {secs * 1e3:9.1f} ms  histogram {st['phase_histogram_ms'][phase]}", file=sys.stderr)
+    print(f"  histogram bucket upper edges (ms): {st['phase_histogram_ms']['edges']}", file=sys.stderr)
 
 
 if __name__ == "__main__":

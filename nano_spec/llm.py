@@ -8,6 +8,7 @@ import torch
 
 from nano_spec.cache import cache_bytes
 from nano_spec.config import ModelConfig
+from nano_spec.model import HybridLM
 from nano_spec.ops import resolve_backend
 from nano_spec.proposers import make_proposer
 from nano_spec.runner import ModelRunner
@@ -29,16 +30,42 @@ def available_bytes(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def _device(device) -> torch.device:
+    """"auto", "cpu", "cuda" or "cuda:i" -> a device that can hold the weights."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"device: {device!r} is not a torch device") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device: {str(device)!r} cannot hold the weights; use 'cpu' or 'cuda'")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: cuda requested but no CUDA device is available")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"device: {device} does not exist ({torch.cuda.device_count()} CUDA devices)")
+    return device
+
+
+def weight_bytes(cfg: ModelConfig, dtype) -> int:
+    """Bytes of the model's weights in dtype, counted on the meta device (nothing is allocated)."""
+    with torch.device("meta"):
+        n = sum(p.numel() for p in HybridLM(cfg).parameters())
+    return n * torch.tensor([], dtype=dtype).element_size()
+
+
 def check_memory(cfg: ModelConfig, max_batch: int, max_seq_len: int, num_drafts: int, dtype, budget: int):
-    """Refuse, before allocating anything, caches and stashes that do not fit in the budget."""
+    """Refuse, before allocating anything, weights, caches and stashes that do not fit in the budget."""
     K = num_drafts + 1
-    parts = cache_bytes(cfg, max_batch, max_seq_len + 2 * K, max_batch, K, dtype)
+    parts = {"weights": weight_bytes(cfg, dtype)}
+    parts.update(cache_bytes(cfg, max_batch, max_seq_len + 2 * K, max_batch, K, dtype))
     parts["draft_probs"] = max_batch * num_drafts * cfg.vocab_size * 4  # allocated on the first sampled request
     need = sum(parts.values())
     if need > budget:
         detail = ", ".join(f"{k} {_size(v)}" for k, v in parts.items() if v)
         raise ValueError(f"memory: max_batch={max_batch}, max_seq_len={max_seq_len}, K={K} need {_size(need)} of "
-                         f"caches ({detail}) but the budget is {_size(budget)}; lower max_batch or max_seq_len")
+                         f"weights and caches ({detail}) but the budget is {_size(budget)}; lower max_batch or "
+                         "max_seq_len")
     return need
 
 
@@ -65,35 +92,42 @@ class Output:
     finish_reason: str               # "stop", "length" or "error"
     logprobs: list | None            # per token, its log-probability under the target
     top_logprobs: list | None        # per token, {token_id: logprob} of the top-n
-    tau: float                       # tokens emitted per verify step for this request
+    tau: float                       # tokens per verify step for this request (docs/DESIGN.md §7)
+    origins: list                    # per token: "prefill", "draft", "correction" or "bonus" (DESIGN §1)
     error: str | None = None         # what failed, when finish_reason is "error"
 
 
 class LLM:
     def __init__(self, model=None, backend: str = "auto", device: str = "auto", dtype=None, max_batch: int = 8,
-                 num_drafts: int = 3, proposer: str = "auto", max_seq_len: int | None = None,
-                 memory_budget: int | None = None, clock=time.perf_counter):
+                 num_drafts: int = 3, proposer="auto", max_seq_len: int | None = None,
+                 memory_budget: int | None = None, clock=time.perf_counter, on_step=None):
+        """proposer: "auto", "mtp", "ngram", "none", or an object with num_drafts, first() and next()
+        (nano_spec/proposers.py). on_step: called with a StepReport after every engine step."""
+        if model is not None and not isinstance(model, (str, os.PathLike)):
+            raise ValueError(f"model: expected a checkpoint directory path, got {type(model).__name__}")
         path = Path(model) if model is not None else shipped_weights()
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        try:
-            device = torch.device(device)
-        except (RuntimeError, TypeError):
-            raise ValueError(f"device: {device!r} is not a torch device") from None
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device: cuda requested but no CUDA device is available")
+        device = _device(device)
         if isinstance(dtype, str):
             if dtype not in DTYPES:
                 raise ValueError(f"dtype: {dtype!r} is not one of {sorted(DTYPES)}")
             dtype = DTYPES[dtype]
+        if dtype is not None and dtype not in DTYPES.values():
+            raise ValueError(f"dtype: {dtype!r} is not one of {sorted(DTYPES)} or their torch dtypes")
         dtype = dtype or torch.float32  # fp32 by default: greedy outputs are then exactly reproducible
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or not 1 <= max_batch <= 1024:
             raise ValueError(f"max_batch: {max_batch!r} must be an integer in [1, 1024]")
+        if memory_budget is not None and (isinstance(memory_budget, bool) or not isinstance(memory_budget, int)
+                                          or memory_budget < 1):
+            raise ValueError(f"memory_budget: {memory_budget!r} must be a positive integer (bytes) or None")
         backend = resolve_backend(backend, device)
+        if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(f"backend: 'triton' on {device.type} needs the Triton interpreter "
+                             "(TRITON_INTERPRET=1 before the first import of the kernels); use backend='torch'")
         # everything that can be refused is checked before the weights are read or caches allocated
         if not path.is_dir():
             raise ValueError(f"model: {path} is not a checkpoint directory")
         cfg = ModelConfig.from_file(path / "config.json")
+        self.tokenizer = Tokenizer(path, cfg)
         self.proposer = make_proposer(proposer, num_drafts, cfg.has_mtp)
         max_seq_len = cfg.max_position_embeddings if max_seq_len is None else max_seq_len
         if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 2:
@@ -101,11 +135,19 @@ class LLM:
         budget = int(0.9 * available_bytes(device)) if memory_budget is None else memory_budget
         self.cache_bytes = check_memory(cfg, max_batch, max_seq_len, self.proposer.num_drafts, dtype, budget)
         self.model = load_model(path, device=device, dtype=dtype, backend=backend)
-        self.tokenizer = Tokenizer(path, cfg)
         self.max_seq_len = max_seq_len
         self.telemetry = Telemetry(self.proposer.num_drafts, clock)
         self.runner = ModelRunner(self.model, self.proposer, max_batch, max_seq_len)
         self.scheduler = Scheduler(self.runner, self.tokenizer, max_batch, max_seq_len, self.telemetry)
+        self.on_step = on_step
+
+    def _step(self):
+        report = self.scheduler.step()
+        if not (report.admitted or report.rows or report.failed):
+            raise RuntimeError(f"engine step {report.index} made no progress ({len(self.scheduler.waiting)} waiting, "
+                               f"{len(self.scheduler.running)} running, {len(self.scheduler.free_slots)} free slots)")
+        if self.on_step is not None:
+            self.on_step(report)
 
     # ---- requests --------------------------------------------------------------------
     def _prepare(self, prompt, params):
@@ -115,7 +157,7 @@ class LLM:
             raise ValueError(f"params: expected SamplingParams, got {type(params).__name__}")
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids = list(prompt)
             if any(not 0 <= t < self.model.cfg.vocab_size for t in ids):
                 raise ValueError(f"prompt: token ids must lie in [0, {self.model.cfg.vocab_size})")
@@ -134,40 +176,76 @@ class LLM:
                       finish_reason=seq.finish_reason,
                       logprobs=[lp for lp, _ in lps] if lps is not None else None,
                       top_logprobs=[top for _, top in lps] if lps is not None else None, tau=seq.tau,
-                      error=seq.error)
+                      origins=list(seq.origins), error=seq.error if seq.finish_reason == "error" else None)
 
     def generate(self, prompts, params=None) -> list:
         """Complete each prompt (a string, a list of token ids, or a list of either); params may be one
-        SamplingParams for all or a list, one per prompt. Returns one Output per prompt, in order."""
+        SamplingParams for all or a list, one per prompt. Returns one Output per prompt, in order.
+        If it is interrupted (KeyboardInterrupt or any exception), its requests are cancelled."""
         single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
+        if not single and not isinstance(prompts, (list, tuple)):
+            raise ValueError(f"prompts: expected a string, a list of token ids or a list of prompts, "
+                             f"got {type(prompts).__name__}")
         prompts = [prompts] if single else list(prompts)
         plist = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"params: {len(plist)} SamplingParams for {len(prompts)} prompts")
         requests = [self._prepare(p, sp) for p, sp in zip(prompts, plist)]  # all validated before any is queued
         seqs = [self.scheduler.add(ids, sp) for ids, sp in requests]
-        while not all(s.finished for s in seqs):
-            self.scheduler.step()
+        try:
+            while not all(s.finished for s in seqs):
+                self._step()
+        finally:  # an interrupted call leaves nothing of its own running
+            for s in seqs:
+                self.scheduler.abort(s)
         return [self._output(p, s) for p, s in zip(prompts, seqs)]
 
-    def stream(self, prompt, params=None):
-        """Yield the completion of one prompt as text pieces, as soon as they are final.
-        Closing the generator early cancels the request and frees its slot."""
-        seq = self.scheduler.add(*self._prepare(prompt, params))
-        hold = max((len(s) for s in seq.params.stop), default=1) - 1  # a stop string may be forming
-        sent = 0
-        try:
-            while not seq.finished:
-                self.scheduler.step()
-                text = self.scheduler.output_text(seq)
-                end = len(text) if seq.finished else len(text.rstrip("\ufffd")) - hold  # incomplete UTF-8 waits
-                if end > sent:
-                    yield text[sent:end]
-                    sent = end
-        finally:
-            self.scheduler.abort(seq)
+    def stream(self, prompt, params=None) -> "Stream":
+        """Iterate over the completion of one prompt as text pieces, as soon as they are final; the
+        pieces always add up to the whole text, however and whenever the request finished. Closing
+        the stream early cancels the request and frees its slot. `.output` is its Output once done."""
+        return Stream(self, prompt, self.scheduler.add(*self._prepare(prompt, params)))
 
     @property
     def stats(self) -> dict:
-        """Telemetry of SPEC §7 since the engine started."""
+        """Telemetry since the engine started (metrics of docs/DESIGN.md §7)."""
         return self.telemetry.summary()
+
+
+class Stream:
+    """The text pieces of one request (LLM.stream). Other calls on the same LLM may advance or even
+    finish the request meanwhile; what they produced is still yielded here."""
+
+    def __init__(self, llm: LLM, prompt, seq):
+        self.llm, self.prompt, self.seq = llm, prompt, seq
+        self.output = None
+        self._pieces = self._run()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> str:
+        return next(self._pieces)
+
+    def close(self):
+        self._pieces.close()
+
+    def _run(self):
+        seq, sched = self.seq, self.llm.scheduler
+        hold = max((len(s) for s in seq.params.stop), default=1) - 1  # a stop string may be forming
+        sent = 0
+        try:
+            while True:
+                done = seq.finished
+                text = sched.output_text(seq)
+                end = len(text) if done else len(text) - hold  # while running, text has whole characters only
+                if end > sent:
+                    yield text[sent:end]
+                    sent = end
+                    continue  # while suspended, other calls may have advanced or finished this request
+                if done:
+                    break
+                self.llm._step()
+            self.output = self.llm._output(self.prompt, seq)
+        finally:
+            sched.abort(seq)

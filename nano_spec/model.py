@@ -1,10 +1,10 @@
-"""The hybrid Mamba2/attention language model and its MTP draft head (SPEC §2).
+"""The hybrid Mamba2/attention language model and its MTP draft head (docs/DESIGN.md §2).
 
 Layout, weight names and math are those of transformers' GraniteMoeHybrid with
 a dense MLP, so checkpoints travel both ways. Every op with a kernel goes
 through `self.ops` (torch references or Triton kernels, see ops.py).
 
-Shapes (SPEC §1):
+Shapes (docs/DESIGN.md §1):
     B  sequences in a batch          T  tokens of one prompt       K  verify rows (drafts + 1)
     D  hidden size                   V  vocabulary
     H, P, N, G  Mamba heads, head dim, state size, groups;  d_in = H*P;  C = d_in + 2*G*N
@@ -224,7 +224,7 @@ class HybridLM(nn.Module):
         """ids (B, K) at positions seq_lens[b] + j of slots slot_ids (B,) -> logits (B, K, V).
 
         Advances every Mamba layer's live state through all K rows and writes ssm_stash, conv_stash
-        and hidden_stash (SPEC §3). kv_len, if given, bounds the KV rows read (>= max(seq_lens) + K).
+        and hidden_stash (docs/DESIGN.md §3). kv_len, if given, bounds the KV rows read (>= max(seq_lens) + K).
         """
         cfg = self.cfg
         B, K = ids.shape

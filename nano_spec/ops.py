@@ -2,11 +2,18 @@
 
 Each file in `kernels/` defines `<name>_ref` (plain torch) and `<name>` (the
 Triton launcher) with the same signature. `Ops("torch")` binds the references,
-`Ops("triton")` the launchers; `"auto"` is triton on CUDA and torch elsewhere.
+`Ops("triton")` the launchers; `"auto"` is triton on CUDA (when triton is installed)
+and torch elsewhere.
+
+Triton is optional: without it (macOS, Windows) the kernel modules still import
+(kernels.common stands in for triton), so the torch backend works and
+`Ops("triton")` is refused with a ValueError.
 """
 import importlib
 
 import torch
+
+from kernels.common import HAS_TRITON
 
 OP_NAMES = (
     "rmsnorm", "gated_rmsnorm", "mamba_scan", "mamba_verify", "commit_state",
@@ -19,7 +26,8 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"backend: {backend!r} is not one of {BACKENDS}")
     if backend == "auto":
-        return "triton" if torch.device(device).type == "cuda" else "torch"
+        # a CUDA machine without triton (e.g. Windows) still runs, on the references
+        return "triton" if torch.device(device).type == "cuda" and HAS_TRITON else "torch"
     return backend
 
 
@@ -29,11 +37,8 @@ class Ops:
     def __init__(self, backend: str = "torch"):
         if backend not in ("torch", "triton"):
             raise ValueError(f"backend: {backend!r} must be 'torch' or 'triton' (resolve 'auto' first)")
-        if backend == "triton":
-            try:
-                import triton  # noqa: F401
-            except ImportError:
-                raise ValueError("backend: 'triton' needs the triton package (Linux only); use backend='torch'") from None
+        if backend == "triton" and not HAS_TRITON:
+            raise ValueError("backend: 'triton' needs the triton package (Linux only); use backend='torch'")
         self.backend = backend
         for name in OP_NAMES:
             module = importlib.import_module(f"kernels.{name}")

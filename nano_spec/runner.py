@@ -1,45 +1,77 @@
 """The model runner: every tensor of the engine lives here, none in the scheduler.
 
 The scheduler hands it host-side sequences (slot, tokens, params) and gets back
-host lists. Per slot it keeps the drafts proposed for the next verify (and the
-draft distributions when sampling) and a random generator.
+host lists. Per slot it keeps the drafts proposed for the next verify (and their
+distributions when sampling) and the request's random generator.
 
-One speculative step, as the scheduler drives it:
-    verify(seqs)   -> rows = [last_token | drafts] -> logits (B, K, V)
-    verdict(seqs)  -> accept counts and emitted tokens; the step's one device-to-host copy
-    commit(ok)     -> Mamba states rolled back to the accepted prefix (one launch, all layers)
-    propose(seqs)  -> the proposer drafts the next rows (MTP catch-up + recursive drafts, or n-grams)
+One speculative step, as the scheduler drives it (docs/DESIGN.md §4):
+    step    = verify(seqs)                     rows [last_token | drafts] -> logits (B, K, V), stashes written
+    verdict = verdict(step, seqs)              accept counts and emitted tokens; the step's one device-to-host copy
+    commit(step, verdict, active)              Mamba states rolled back to the accepted prefix (one launch)
+    propose(seqs, step, verdict, active)       the proposer drafts the next rows
+A `Step` and a `Verdict` are complete when made and are passed along, never parked here.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
 from nano_spec.cache import HybridCache
 from nano_spec.model import HybridLM
+from nano_spec.proposers import Drafts
 from nano_spec.sampling import BatchSampling, token_logprobs, verdict
 
 
-@dataclass
-class StepState:
-    """The tensors of the step in flight, between verify and propose."""
-    slots: torch.Tensor      # (B,)
-    seq_lens: torch.Tensor   # (B,) before the step
-    drafts: torch.Tensor     # (B, γ) the drafts verified
-    num_drafts: torch.Tensor  # (B,) how many of them are real (the rest is padding)
-    na: torch.Tensor | None  # (B,), set by the verdict
-    emitted: torch.Tensor | None   # (B, K), set by the verdict
-    sampling: BatchSampling | None
-    uniforms: torch.Tensor | None  # (B, K + γ) when some row samples
-    kv_len: int              # bound on the KV rows any call of this step reads
+@dataclass(frozen=True)
+class Step:
+    """One verify in flight: what went in, for the verdict, the commit and the proposer. Row b is seqs[b]."""
+    slots: torch.Tensor                # (B,)
+    seq_lens: torch.Tensor             # (B,) tokens in the caches before the step
+    drafts: torch.Tensor               # (B, γ) the drafts verified
+    num_drafts: torch.Tensor           # (B,) how many of them are real (the rest is padding)
+    draft_probs: torch.Tensor | None   # (B, γ, V) q of each draft; None when every row is greedy
+    sampling: BatchSampling
+    kv_len: int                        # bound on the KV rows any call of this step reads
+    logits: torch.Tensor               # (B, K, V)
+    hidden: torch.Tensor               # (B, K, D) final-normed rows: the hidden stash that seeds the MTP
+
+    def select(self, idx) -> "Step":
+        """The rows idx (a long tensor) of every per-row field."""
+        pick = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name, value in pick.items():
+            if isinstance(value, torch.Tensor):
+                pick[name] = value[idx]
+        pick["sampling"] = self.sampling.select(idx)
+        return Step(**pick)
 
 
-@dataclass
+@dataclass(frozen=True)
 class RowResult:
-    """What the scheduler learns about one sequence from a verify."""
-    na: int
-    tokens: list             # emitted tokens in order: accepted drafts, then the target's pick
+    """What the scheduler learns about one sequence from a verdict (host values)."""
+    na: int                  # accepted drafts
+    drafts: list             # the real drafts that were verified (nd = len(drafts))
+    tokens: list             # emitted tokens in order: drafts[:na], then the target's pick
     logprobs: list | None    # per token: (logprob, {token: logprob} of the top-n)
     ok: bool                 # False: non-finite logits, the sequence ends with an error
+
+
+@dataclass(frozen=True)
+class Verdict:
+    na: torch.Tensor         # (B,)
+    emitted: torch.Tensor    # (B, K) emitted[b, j] for j <= na[b]: accepted drafts, then the target's pick
+    rows: list               # RowResult per sequence
+
+    def select(self, rows: list, idx) -> "Verdict":
+        """The rows given as a host list and as a device tensor (no device-to-host copy)."""
+        return Verdict(self.na[idx], self.emitted[idx], [self.rows[i] for i in rows])
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A prefilled sequence: its first token and what the proposer needs to draft after it."""
+    result: RowResult
+    hidden: torch.Tensor     # (T, D) final-normed prompt rows
+    first: torch.Tensor      # (1,) the first token
+    sampling: BatchSampling
 
 
 class ModelRunner:
@@ -56,142 +88,170 @@ class ModelRunner:
         self.num_drafts = torch.zeros(num_slots, dtype=torch.long, device=self.device)         # (S,)
         self.draft_probs = None  # (S, γ, V), allocated on the first sampled request
         self.generators = [None] * num_slots
-        self.step_state = None
-        self.logits = None
 
     # ---- helpers ------------------------------------------------------------------
     def _tensor(self, values, dtype=torch.long):
         return torch.tensor(values, dtype=dtype, device=self.device)
 
-    def uniforms(self, seqs, n: int):
+    def _uniforms(self, seqs, n: int):
         """(B, n) uniforms, each row from its sequence's own generator (reproducible per request)."""
         return torch.stack([torch.rand(n, generator=self.generators[s.slot], device=self.device) for s in seqs])
 
-    def need_draft_probs(self):
+    def _draft_probs(self):
         if self.draft_probs is None:
             self.draft_probs = torch.zeros(self.cache.num_slots, self.gamma, self.cfg.vocab_size, device=self.device)
         return self.draft_probs
 
     # ---- 1. admission --------------------------------------------------------------
     @torch.no_grad()
-    def prefill(self, seq) -> RowResult:
+    def prefill(self, seq) -> Admission:
         """Run a new sequence's prompt into its (reset) slot and pick its first token."""
         self.cache.reset_slot(seq.slot)
         gen = torch.Generator(device=self.device)
         gen.manual_seed(seq.params.seed if seq.params.seed is not None else int(torch.randint(2**62, ())))
         self.generators[seq.slot] = gen
-        ids = self._tensor(seq.tokens)
-        hidden = self.model.prefill(ids, seq.slot, self.cache)  # (T, D)
+        hidden = self.model.prefill(self._tensor(seq.tokens), seq.slot, self.cache)  # (T, D)
         logits = self.model.logits(hidden[-1:])  # (1, V)
         sampling = BatchSampling.of([seq.params], self.device)
-        u = None if sampling.all_greedy else self.uniforms([seq], 1)[:, 0]
+        u = None if sampling.all_greedy else self._uniforms([seq], 1)[:, 0]  # draw "first token"
         tok, _ = sampling.pick(logits, u)
-        result = self._host_results(logits[:, None], tok[:, None], torch.zeros_like(tok), [seq])[0]
-        if result.ok and self.gamma:
-            self.proposer.after_prefill(self, seq, hidden, tok)
-        return result
+        zero = torch.zeros_like(tok)  # (1,): no drafts, none accepted
+        result = self._host_results(logits[:, None], tok[:, None], zero, zero[:, None][:, :0], zero, [seq])[0]
+        return Admission(result, hidden, tok, sampling)
 
     # ---- 2. verify, then verdict ----------------------------------------------------------
     @torch.no_grad()
-    def verify(self, seqs):
+    def verify(self, seqs) -> Step:
         """One batched forward over rows [last_token | drafts] of every sequence (B, K)."""
-        K = self.K
+        B, K = len(seqs), self.K
         slots = self._tensor([s.slot for s in seqs])
         seq_lens = self._tensor([s.seq_len for s in seqs])
         last = self._tensor([s.tokens[-1] for s in seqs])
         drafts = self.drafts[slots]  # (B, γ)
         rows = torch.cat([last[:, None], drafts], dim=1)  # (B, K)
         kv_len = max(s.seq_len for s in seqs) + K + self.gamma
-        self.logits = self.model.verify(rows, slots, seq_lens, self.cache, kv_len)  # (B, K, V)
-        self.step_state = StepState(slots, seq_lens, drafts, self.num_drafts[slots], None, None, None, None, kv_len)
+        logits = self.model.verify(rows, slots, seq_lens, self.cache, kv_len)  # (B, K, V)
+        sampling = BatchSampling.of([s.params for s in seqs], self.device)
+        draft_probs = None if sampling.all_greedy else self._draft_probs()[slots]
+        return Step(slots, seq_lens, drafts, self.num_drafts[slots], draft_probs, sampling, kv_len, logits,
+                    self.cache.hidden_stash(B, K))
 
     @torch.no_grad()
-    def verdict(self, seqs) -> list:
-        """Accept counts and emitted tokens for the verified rows -> a RowResult per sequence."""
-        st, K = self.step_state, self.K
-        st.sampling = BatchSampling.of([s.params for s in seqs], self.device)
-        st.uniforms = None if st.sampling.all_greedy else self.uniforms(seqs, K + self.gamma)
-        draft_probs = None if st.sampling.all_greedy else self.need_draft_probs()[st.slots]
-        st.na, st.emitted = verdict(self.model.ops, self.logits, st.drafts, st.num_drafts, st.sampling, draft_probs,
-                                    None if st.uniforms is None else st.uniforms[:, :K])
-        return self._host_results(self.logits, st.emitted, st.na, seqs)
+    def verdict(self, step: Step, seqs) -> Verdict:
+        """Accept counts and emitted tokens of the verified rows, judged on the device, copied once."""
+        u = None if step.sampling.all_greedy else self._uniforms(seqs, self.K)  # draw "verdict"
+        na, emitted = verdict(self.model.ops, step.logits, step.drafts, step.num_drafts, step.sampling,
+                              step.draft_probs, u)
+        return Verdict(na, emitted, self._host_results(step.logits, emitted, na, step.drafts, step.num_drafts, seqs))
 
-    def _host_results(self, logits, emitted, na, seqs) -> list:
-        """One device-to-host copy per step: na, emitted tokens, finiteness (and logprobs if asked)."""
-        finite = torch.isfinite(logits).flatten(1).all(-1)  # (B,)
-        packed = torch.cat([na[:, None], emitted, finite[:, None].long()], dim=1).tolist()
+    def _host_results(self, logits, emitted, na, drafts, num_drafts, seqs) -> list:
+        """One device-to-host copy per step: na, emitted tokens, drafts, finiteness (and logprobs if asked)."""
+        # only rows 0..na are used (padding rows and rows past a rejection are not): only they must be finite
+        unused = torch.arange(logits.shape[1], device=logits.device) > na[:, None]  # (B, K)
+        finite = (torch.isfinite(logits).all(-1) | unused).all(-1)  # (B,)
+        packed = torch.cat([na[:, None], num_drafts[:, None], finite[:, None].long(), emitted, drafts], 1).tolist()
         top_n = max(s.params.logprobs for s in seqs)
         lps = None
         if top_n:
             chosen, top_v, top_i = token_logprobs(logits, emitted, top_n)
             lps = (chosen.tolist(), top_v.tolist(), top_i.tolist())
-        out = []
+        K, out = emitted.shape[1], []
         for b, (row, s) in enumerate(zip(packed, seqs)):
-            n = row[0]
-            toks = row[1 : 2 + n]
+            n, nd, ok = row[:3]
             lp = None
             if s.params.logprobs:
                 k = s.params.logprobs
                 lp = [(lps[0][b][j], dict(zip(lps[2][b][j][:k], lps[1][b][j][:k]))) for j in range(n + 1)]
-            out.append(RowResult(na=n, tokens=toks, logprobs=lp, ok=bool(row[-1])))
+            out.append(RowResult(na=n, drafts=row[3 + K : 3 + K + nd], tokens=row[3 : 4 + n], logprobs=lp,
+                                 ok=bool(ok)))
         return out
 
     # ---- 3. commit, 4. propose: batched, with per-sequence fault isolation ----------------
-    def _isolated(self, fn, seqs, active: list) -> list:
-        """Run fn(rows) on all active rows at once; if that raises, retry each row alone so a fault
-        ends only the sequence it belongs to. Returns per-row success; failures are noted on the seq."""
+    def _isolated(self, fn, active: list) -> tuple:
+        """Run fn(rows) on all active rows at once; if that raises, retry each row alone so that a fault
+        stays with the sequence it belongs to. Returns (per-row success, per-row error message or None)."""
         rows = [i for i, a in enumerate(active) if a]
-        if not rows:
-            return list(active)
+        errors = [None] * len(active)
         try:
-            fn(rows)
-            return list(active)
+            if rows:
+                fn(rows)
+            return list(active), errors
         except Exception:
             ok = [False] * len(active)
             for i in rows:
                 try:
                     fn([i])
                     ok[i] = True
-                except Exception as e:  # the sequence ends with finish_reason "error" and this message
-                    seqs[i].error = f"{fn.__name__}: {type(e).__name__}: {e}"
-            return ok
+                except Exception as e:
+                    errors[i] = f"{fn.__name__}: {type(e).__name__}: {e}"
+            return ok, errors
 
     @torch.no_grad()
-    def commit(self, seqs, active: list) -> list:
-        """Roll every Mamba layer of each active sequence back to its accepted prefix (SPEC §4.3):
-        one launch for all layers and sequences. Returns per-row success."""
+    def commit(self, step: Step, verdict: Verdict, active: list) -> tuple:
+        """Roll every Mamba layer of each active sequence back to its accepted prefix (docs/DESIGN.md §3):
+        one launch for all layers and sequences. Returns (per-row success, per-row error)."""
         if self.K == 1:  # plain decoding: every step is a full accept, the commit a no-op
-            return list(active)
-        st = self.step_state
-        B = st.slots.shape[0]
+            return list(active), [None] * len(active)
+        B = step.slots.shape[0]
 
         def commit_state(rows):
             mask = self._tensor([i in rows for i in range(B)], torch.bool)
             self.model.ops.commit_state(self.cache.ssm_state, self.cache.conv_state, self.cache.ssm_stash(B, self.K),
-                                        self.cache.conv_stash(B, self.K), st.slots, st.na, mask)
+                                        self.cache.conv_stash(B, self.K), step.slots, verdict.na, mask)
 
-        return self._isolated(commit_state, seqs, active)
+        return self._isolated(commit_state, active)
 
     @torch.no_grad()
-    def propose(self, seqs, active: list) -> list:
-        """Draft the next rows of the sequences still running. Returns per-row success."""
+    def propose_first(self, seq, adm: Admission) -> bool:
+        """Drafts for a newly admitted sequence. False: drafting failed, the sequence goes on without drafts."""
         if not self.gamma:
-            return list(active)
+            return True
+        u = None if adm.sampling.all_greedy else self._uniforms([seq], self.gamma)  # draw "drafts"
 
         def propose(rows):
-            self.proposer.after_verify(self, seqs, rows)
+            self._store([seq], self.proposer.first(self.model, self.cache, seq, adm.hidden, adm.first, adm.sampling, u))
 
-        return self._isolated(propose, seqs, active)
+        ok = self._isolated(propose, [True])[0][0]
+        if not ok:
+            self._store([seq], None)
+        return ok
 
-    def set_drafts(self, seqs, drafts: list):
-        """Host-side drafts (one list per sequence, up to γ tokens) into the per-slot buffers."""
+    @torch.no_grad()
+    def propose(self, seqs, step: Step, verdict: Verdict, active: list) -> list:
+        """Drafts for the next step of the sequences still running. Returns per-row success; a row whose
+        drafting failed goes on without drafts (its next verify has nd = 0)."""
+        if not self.gamma:
+            return list(active)
+        live = [i for i, a in enumerate(active) if a]
+        u = None if step.sampling.all_greedy or not live else self._uniforms([seqs[i] for i in live], self.gamma)
+
+        def propose(rows):  # rows index the batch; u was drawn once, so a retry sees the same numbers
+            idx = self._tensor(rows)
+            sub = [seqs[i] for i in rows]
+            drafts = self.proposer.next(self.model, self.cache, sub, step.select(idx), verdict.select(rows, idx),
+                                        None if u is None else u[[live.index(i) for i in rows]])
+            self._store(sub, drafts)
+
+        ok = self._isolated(propose, active)[0]
+        self._store([s for s, a, good in zip(seqs, active, ok) if a and not good], None)
+        return ok
+
+    def _store(self, seqs, drafts: Drafts | None):
+        """Keep each sequence's drafts in its slot until the next verify; None: no drafts."""
         if not seqs:
             return
         slots = self._tensor([s.slot for s in seqs])
-        padded = [d[: self.gamma] + [0] * (self.gamma - len(d[: self.gamma])) for d in drafts]
-        self.drafts[slots] = self._tensor(padded)
-        self.num_drafts[slots] = self._tensor([min(len(d), self.gamma) for d in drafts])
-        if any(not s.params.greedy for s in seqs):  # a deterministic draft has q = one-hot
-            q = torch.zeros(len(seqs), self.gamma, self.cfg.vocab_size, device=self.device)
-            q.scatter_(-1, self.drafts[slots][..., None], 1.0)
-            self.need_draft_probs()[slots] = q
+        if drafts is None:
+            self.num_drafts[slots] = 0
+            return
+        if drafts.tokens.shape != (len(seqs), self.gamma) or drafts.num.shape != (len(seqs),):
+            raise ValueError(f"proposer returned drafts of shape {tuple(drafts.tokens.shape)} for "
+                             f"{len(seqs)} sequences and γ = {self.gamma}")
+        self.drafts[slots] = drafts.tokens
+        self.num_drafts[slots] = drafts.num.clamp(0, self.gamma)
+        if any(not s.params.greedy for s in seqs):
+            q = drafts.probs
+            if q is None:  # a deterministic draft has q = one-hot
+                q = torch.zeros(len(seqs), self.gamma, self.cfg.vocab_size, device=self.device)
+                q.scatter_(-1, drafts.tokens[..., None], 1.0)
+            self._draft_probs()[slots] = q

@@ -1,4 +1,4 @@
-"""Sampling parameters, token picks and the verdict (SPEC §4).
+"""Sampling parameters, token picks and the verdict (docs/DESIGN.md §5).
 
 Greedy rows (temperature 0) use verdict_greedy; sampled rows use the lossless
 rejection rule of verdict_sample. Both stay on the device: the verdict returns
@@ -28,23 +28,32 @@ class SamplingParams:
         def bad(field, why):
             raise ValueError(f"SamplingParams.{field}: {why}, got {getattr(self, field)!r}")
 
-        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+        def is_int(v) -> bool:  # bools are ints to Python, never to a user
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_number(v) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+        if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             bad("max_new_tokens", "must be an integer >= 1")
-        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
+        if not is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             bad("temperature", "must be a finite number >= 0")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+        if not is_int(self.top_k) or self.top_k < 0:
             bad("top_k", "must be an integer >= 0")
-        if not isinstance(self.top_p, (int, float)) or not (0 < self.top_p <= 1):
-            bad("top_p", "must be in (0, 1]")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            bad("seed", "must be an integer or None")
+        if not is_number(self.top_p) or not (0 < self.top_p <= 1):
+            bad("top_p", "must be a number in (0, 1]")
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**64):
+            bad("seed", "must be None or an integer in [0, 2**64)")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
-        if not all(isinstance(s, str) and s for s in self.stop):
-            bad("stop", "must be non-empty strings")
-        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
-            bad("stop_token_ids", "must be token ids >= 0")
-        if isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int) or not (0 <= self.logprobs <= 20):
+        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
+            bad("stop", "must be a string or a list of non-empty strings")
+        if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
+                is_int(t) and t >= 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "must be a list of token ids >= 0")
+        if not isinstance(self.ignore_eos, bool):
+            bad("ignore_eos", "must be True or False")
+        if not is_int(self.logprobs) or not (0 <= self.logprobs <= 20):
             bad("logprobs", "must be an integer in [0, 20]")
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
@@ -101,7 +110,7 @@ def verdict(ops, logits, drafts, num_drafts, sampling: BatchSampling, draft_prob
     is the token emitted at row j for j <= na[b] (accepted drafts, then the target's pick).
     """
     K = logits.shape[1]
-    picks, na, _ = ops.verdict_greedy(logits, drafts, num_drafts)
+    picks, na = ops.verdict_greedy(logits, drafts, num_drafts)
     emitted = picks
     if not sampling.all_greedy:
         na_s, tok_s = ops.verdict_sample(logits, draft_probs, drafts, num_drafts, uniforms,

@@ -3,17 +3,22 @@
     step() = schedule -> run -> postprocess
       schedule     admit waiting requests into free slots: prefill, first token, first drafts
       run          verify every live sequence in one batch ([last token | drafts], K rows) and judge it
-      postprocess  apply each verdict (SPEC §4): emit accepted drafts then the target's pick, stopping
-                   at the first finishing token; commit the Mamba states to the accepted prefix;
-                   propose the next drafts; release finished slots
+      postprocess  apply each verdict (docs/DESIGN.md §4): emit accepted drafts then the target's pick,
+                   stopping at the first finishing token; commit the Mamba states to the accepted
+                   prefix; propose the next drafts; release finished slots
 
 Everything here is host-side: lists of ints and Sequence objects. Tensors stay in
-the runner; the only device-to-host copy of a step is the verdict's.
+the runner; `Step` and `Verdict` pass through here as opaque handles.
 """
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from nano_spec.sampling import SamplingParams
+from nano_spec.tokenizer import IncrementalDecoder
+
+# Where an emitted token came from (docs/DESIGN.md §1)
+PREFILL, DRAFT, CORRECTION, BONUS = "prefill", "draft", "correction", "bonus"
 
 
 @dataclass
@@ -26,9 +31,11 @@ class Sequence:
     finish_reason: str | None = None  # "stop", "length" or "error" ("cancelled" for an aborted stream)
     error: str | None = None         # what went wrong, when finish_reason is "error"
     text: str | None = None          # set when a stop string cut the text
+    decoder: object = None           # IncrementalDecoder of the generated tokens
     logprobs: list = field(default_factory=list)
+    origins: list = field(default_factory=list)  # per generated token: prefill, draft, correction or bonus
     verify_steps: int = 0
-    verify_emitted: int = 0          # tokens emitted by verify steps (tau = verify_emitted / verify_steps)
+    verified_tokens: int = 0         # Σ (na + 1) over its verify steps (tau = verified_tokens / verify_steps)
 
     @property
     def seq_len(self) -> int:  # tokens whose effect is in the caches; tokens[-1] is emitted, not yet fed
@@ -44,7 +51,27 @@ class Sequence:
 
     @property
     def tau(self) -> float:
-        return self.verify_emitted / self.verify_steps if self.verify_steps else 0.0
+        return self.verified_tokens / self.verify_steps if self.verify_steps else 0.0
+
+
+@dataclass
+class StepRow:
+    """One sequence's part of a verify step, for tracing."""
+    seq_id: int
+    drafts: list             # the real drafts verified
+    na: int
+    emitted: list            # the tokens emitted (fewer than na + 1 when the sequence finished)
+    finish_reason: str | None
+
+
+@dataclass
+class StepReport:
+    """What one engine step did, for --trace and on_step callbacks."""
+    index: int
+    admitted: list = field(default_factory=list)   # (seq_id, first token)
+    failed: list = field(default_factory=list)     # seq_ids whose admission failed
+    rows: list = field(default_factory=list)       # StepRow per verified sequence
+    phase_seconds: dict = field(default_factory=dict)
 
 
 class Scheduler:
@@ -55,9 +82,10 @@ class Scheduler:
         self.waiting = deque()
         self.running = []
         self.next_id = 0
+        self.steps = 0
 
     def add(self, prompt_ids: list, params: SamplingParams) -> Sequence:
-        seq = Sequence(self.next_id, len(prompt_ids), list(prompt_ids), params)
+        seq = Sequence(self.next_id, len(prompt_ids), list(prompt_ids), params, decoder=IncrementalDecoder(self.tok))
         self.next_id += 1
         self.waiting.append(seq)
         return seq
@@ -66,7 +94,7 @@ class Scheduler:
         """Cancel a request mid-flight: it leaves the queue or the batch and its slot is freed."""
         if seq.finished:
             return
-        self._finish(seq, "cancelled")
+        seq.finish_reason = "cancelled"
         if seq in self.waiting:
             self.waiting.remove(seq)
         if seq in self.running:
@@ -76,98 +104,134 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def step(self):
+    def step(self) -> StepReport:
         """One engine step: admit what fits, then one speculative step for every live sequence."""
-        self._schedule()
+        report = StepReport(self.steps)
+        self.steps += 1
+        self.tel.begin_step()
+        self._schedule(report)
         if self.running:
-            self._run_and_postprocess()
+            self._run_and_postprocess(report)
+        report.phase_seconds = dict(self.tel.step_seconds)
+        return report
 
     # ---- schedule -------------------------------------------------------------------
-    def _schedule(self):
+    def _schedule(self, report: StepReport):
         while self.waiting and self.free_slots:
             seq = self.waiting.popleft()
             seq.slot = self.free_slots.pop(0)
-            try:
-                with self.tel.phase("prefill"):
-                    result = self.runner.prefill(seq)
-            except Exception as e:  # a fault in one admission ends that request only
-                seq.error, result = f"prefill: {type(e).__name__}: {e}", None
-            if result is None or not result.ok:
-                seq.error = seq.error or "non-finite logits"
-                self._finish(seq, "error")
-            else:
-                self._emit(seq, result.tokens[0], result.logprobs[0] if result.logprobs else None)
-            if seq.finished:
+            with self._ends_on_interrupt([seq]):
+                self._admit(seq, report)
+
+    def _admit(self, seq: Sequence, report: StepReport):
+        try:
+            with self.tel.phase("prefill"):
+                adm = self.runner.prefill(seq)
+        except Exception as e:  # a fault in one admission ends that request only
+            seq.error, adm = f"prefill: {type(e).__name__}: {e}", None
+        if adm is None or not adm.result.ok:
+            seq.error = seq.error or "non-finite logits"
+            seq.finish_reason = "error"
+            report.failed.append(seq.id)
+        else:
+            r = adm.result
+            self._emit(seq, r.tokens[0], r.logprobs[0] if r.logprobs else None, PREFILL)
+            report.admitted.append((seq.id, r.tokens[0]))
+        if not seq.finished:
+            with self.tel.phase("propose"):
+                if not self.runner.propose_first(seq, adm):
+                    self.tel.propose_failures += 1
+        if seq.finished:
+            self._release(seq)
+        else:
+            self.running.append(seq)
+
+    @contextmanager
+    def _ends_on_interrupt(self, seqs: list):
+        """If a step is interrupted (KeyboardInterrupt, or an exception no sequence owns), the sequences
+        it was updating have caches in an unknown state: end them with an error and free their slots."""
+        try:
+            yield
+        except BaseException as e:
+            for seq in seqs:
+                if not seq.finished:
+                    seq.error, seq.finish_reason = f"interrupted: {type(e).__name__} during an engine step", "error"
                 self._release(seq)
-            else:
-                self.running.append(seq)
+            self.running = [s for s in self.running if not s.finished]
+            raise
 
     # ---- run + postprocess ----------------------------------------------------------------
-    def _run_and_postprocess(self):
+    def _run_and_postprocess(self, report: StepReport):
         batch = list(self.running)
+        with self._ends_on_interrupt(batch):
+            self._run_batch(batch, report)
+
+    def _run_batch(self, batch: list, report: StepReport):
         with self.tel.phase("verify"):
-            self.runner.verify(batch)
+            step = self.runner.verify(batch)
         with self.tel.phase("verdict"):
-            results = self.runner.verdict(batch)
+            verdict = self.runner.verdict(step, batch)
         active = []
-        for seq, r in zip(batch, results):
+        for seq, r in zip(batch, verdict.rows):
             if not r.ok:  # non-finite logits: this sequence ends, the others go on
                 seq.error = "non-finite logits"
-                self._finish(seq, "error")
+                seq.finish_reason = "error"
+                emitted = []
             else:
-                self._apply(seq, r)
+                emitted = self._apply(seq, r)
+            report.rows.append(StepRow(seq.id, r.drafts, r.na, emitted, seq.finish_reason))
             active.append(not seq.finished)
         with self.tel.phase("commit"):
-            active = self._keep(batch, active, self.runner.commit(batch, active))
+            ok, errors = self.runner.commit(step, verdict, active)
+        for seq, a, good, err in zip(batch, active, ok, errors):
+            if a and not good:  # a failed commit leaves a state nobody can trust: that sequence ends
+                seq.error, seq.finish_reason = err, "error"
+        active = [a and good for a, good in zip(active, ok)]
         if any(active):
             with self.tel.phase("propose"):
-                self._keep(batch, active, self.runner.propose(batch, active))
+                ok = self.runner.propose(batch, step, verdict, active)
+            self.tel.propose_failures += sum(a and not good for a, good in zip(active, ok))
         for seq in batch:
             if seq.finished:
                 self._release(seq)
         self.running = [s for s in self.running if not s.finished]
 
-    def _keep(self, batch, active, ok) -> list:
-        """Sequences whose commit or propose failed end with an error; the others go on."""
-        for seq, a, good in zip(batch, active, ok):
-            if a and not good:
-                self._finish(seq, "error")
-        return [a and good for a, good in zip(active, ok)]
-
-    def _apply(self, seq: Sequence, r):
+    def _apply(self, seq: Sequence, r) -> list:
         """Emit drafts[0..na) then v[na], one at a time, until one finishes the sequence."""
         seq_len, before = seq.seq_len, len(seq.tokens)
+        last = BONUS if r.na == len(r.drafts) else CORRECTION
         for j, token in enumerate(r.tokens):
-            self._emit(seq, token, r.logprobs[j] if r.logprobs else None)
+            self._emit(seq, token, r.logprobs[j] if r.logprobs else None, DRAFT if j < r.na else last)
             if seq.finished:
                 break
-        emitted = len(seq.tokens) - before
         seq.verify_steps += 1
-        seq.verify_emitted += emitted
-        self.tel.record_verify(r.na, emitted, seq_len)
+        seq.verified_tokens += r.na + 1
+        self.tel.record_verify(r.na, len(seq.tokens) - before, seq_len)
+        return seq.tokens[before:]
 
-    def _emit(self, seq: Sequence, token: int, logprob):
+    def _emit(self, seq: Sequence, token: int, logprob, origin: str):
         seq.tokens.append(token)
+        seq.origins.append(origin)
+        new_text = seq.decoder.add(token)
         if seq.params.logprobs:
             seq.logprobs.append(logprob)
         p = seq.params
         if token in p.stop_token_ids or (token in self.tok.eos_ids and not p.ignore_eos):
-            self._finish(seq, "stop")
-        elif p.stop and self._cut_at_stop(seq):
-            self._finish(seq, "stop")
+            seq.finish_reason = "stop"
+        elif new_text and p.stop and self._cut_at_stop(seq, len(new_text)):
+            seq.finish_reason = "stop"
         elif len(seq.generated) >= p.max_new_tokens or len(seq.tokens) >= self.max_seq_len:
-            self._finish(seq, "length")
+            seq.finish_reason = "length"
 
-    def _cut_at_stop(self, seq: Sequence) -> bool:
-        """A stop string anywhere in the generated text (it may span tokens) ends it there."""
-        text = self.tok.decode(seq.generated)
-        hits = [i for i in (text.find(s) for s in seq.params.stop) if i >= 0]
+    def _cut_at_stop(self, seq: Sequence, n_new: int) -> bool:
+        """A stop string in the generated text (it may span tokens) ends it there. Only the new text and
+        the longest stop string's overlap into the old can hold a new match."""
+        text = seq.decoder.text
+        start = max(0, len(text) - n_new - max(map(len, seq.params.stop)) + 1)
+        hits = [i for i in (text.find(s, start) for s in seq.params.stop) if i >= 0]
         if hits:
             seq.text = text[: min(hits)]
         return bool(hits)
-
-    def _finish(self, seq: Sequence, reason: str):
-        seq.finish_reason = reason
 
     def _release(self, seq: Sequence):
         if seq.slot is not None:
@@ -175,4 +239,7 @@ class Scheduler:
             seq.slot = None
 
     def output_text(self, seq: Sequence) -> str:
-        return seq.text if seq.text is not None else self.tok.decode(seq.generated)
+        """The whole text once finished; while running, only complete characters."""
+        if seq.text is not None:
+            return seq.text
+        return seq.decoder.full_text() if seq.finished else seq.decoder.text

@@ -10,7 +10,7 @@ matrix costs O(T^2); SSD cuts T into chunks of l tokens, does the quadratic form
 chunk (matmuls, which autograd and BLAS like) and passes one (P, N) state per head between
 chunks. That is what makes training fast where the reference's Python loop over T is not.
 
-Shapes (SPEC §1; the C projection is called Cm so that C stays conv_dim):
+Shapes (docs/DESIGN.md §1; the C projection is called Cm so that C stays conv_dim):
     T   tokens                 l   chunk length (chunk_size)     c   chunks = ceil(T / l)
     C   conv_dim = H*P + 2*G*N     W   conv width
     H, P, N, G   Mamba heads, head dim, state size, groups;  R = H / G heads per group (h = g*R + r)
@@ -44,7 +44,7 @@ def mamba_scan_chunked(xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, n_gro
     -> (y (T, H, P) in xBC's dtype, ssm_state (H, P, N) fp32, conv_window (C, W-1))."""
     T, Cdim = xBC.shape
     H, W = dt.shape[-1], conv_weight.shape[-1]
-    # The state is fp32 whatever the weights (SPEC §2), so autocast must not lower these matmuls.
+    # The state is fp32 whatever the weights (docs/DESIGN.md §2), so autocast must not lower these matmuls.
     with torch.autocast(xBC.device.type, enabled=False):
         # 1. causal depthwise conv + SiLU as W shifted multiply-adds over the input padded by W-1 zeros
         #    (torch's depthwise conv1d backward is orders of magnitude slower on CPU).

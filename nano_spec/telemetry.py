@@ -1,5 +1,11 @@
-"""Engine telemetry (SPEC §7): tau, accept_at overall and by seq_len bucket, and a
-per-phase time histogram. Time comes from an injected clock so tests can drive it.
+"""Engine telemetry (docs/DESIGN.md §7): tau, accept_at overall and by seq_len bucket, and
+per-phase times as running sums and fixed-size histograms (memory does not grow with
+the number of steps). Time comes from an injected clock so tests can drive it.
+
+    tau          = Σ (na + 1) / verify steps           tokens each verify produced, bonus included
+    accept_at[j] = #(verify steps with na > j) / verify steps
+so tau = 1 + Σ_j accept_at[j] exactly. On the step where a sequence finishes it may
+emit fewer than na + 1 tokens; `emitted` counts what was emitted.
 
 On CUDA the phases are host times: queued GPU work is charged to the phase that
 waits for it (the verdict, which copies the accept counts to the host).
@@ -27,19 +33,32 @@ class Telemetry:
 
     def reset(self):
         """Forget everything counted so far (e.g. after a warm-up run)."""
-        num_drafts = self.num_drafts
-        self.phase_times = defaultdict(list)  # phase -> [seconds]
+        self.phase_seconds = dict.fromkeys(PHASES, 0.0)
+        self.phase_counts = {p: [0] * (len(HIST_EDGES_MS) + 1) for p in PHASES}
+        self.step_seconds = {}                # phase -> seconds within the current engine step
         self.verify_steps = 0                 # (sequence, verify) pairs
-        self.emitted = 0                      # tokens emitted by verify steps, bonus included
-        self.accepted_gt = [0] * num_drafts   # steps with na > j
-        self.by_bucket = defaultdict(lambda: [0, [0] * num_drafts])  # bucket -> [steps, accepted_gt]
+        self.verified = 0                     # Σ (na + 1)
+        self.emitted = 0                      # tokens emitted by verify steps
+        self.accepted_gt = [0] * self.num_drafts  # steps with na > j
+        self.by_bucket = defaultdict(lambda: [0, [0] * self.num_drafts])  # bucket -> [steps, accepted_gt]
+        self.propose_failures = 0             # drafting faults; those sequences went on without drafts
+
+    def begin_step(self):
+        self.step_seconds = {}
 
     def phase(self, name: str):
         return _Timer(self, name)
 
+    def add_time(self, name: str, seconds: float):
+        self.phase_seconds[name] += seconds
+        self.step_seconds[name] = self.step_seconds.get(name, 0.0) + seconds
+        ms = seconds * 1e3
+        self.phase_counts[name][next((i for i, e in enumerate(HIST_EDGES_MS) if ms <= e), len(HIST_EDGES_MS))] += 1
+
     def record_verify(self, na: int, emitted: int, seq_len: int):
-        """One sequence's verdict: na accepted drafts, `emitted` tokens actually emitted."""
+        """One sequence's verdict: na accepted drafts, of which `emitted` tokens were emitted."""
         self.verify_steps += 1
+        self.verified += na + 1
         self.emitted += emitted
         b = self.by_bucket[bucket_label(seq_len)]
         b[0] += 1
@@ -49,19 +68,11 @@ class Telemetry:
 
     @property
     def tau(self) -> float:
-        return self.emitted / self.verify_steps if self.verify_steps else 0.0
+        return self.verified / self.verify_steps if self.verify_steps else 0.0
 
     @property
     def accept_at(self) -> list:
         return [a / self.verify_steps if self.verify_steps else 0.0 for a in self.accepted_gt]
-
-    def histogram(self, name: str) -> list:
-        """Counts per bucket of HIST_EDGES_MS (last bucket: above the largest edge)."""
-        counts = [0] * (len(HIST_EDGES_MS) + 1)
-        for t in self.phase_times[name]:
-            ms = t * 1e3
-            counts[next((i for i, e in enumerate(HIST_EDGES_MS) if ms <= e), len(HIST_EDGES_MS))] += 1
-        return counts
 
     def summary(self) -> dict:
         return {
@@ -69,10 +80,11 @@ class Telemetry:
             "accept_at": self.accept_at,
             "verify_steps": self.verify_steps,
             "emitted": self.emitted,
+            "propose_failures": self.propose_failures,
             "accept_at_by_seq_len": {k: {"steps": s, "accept_at": [a / s for a in acc]}
                                      for k, (s, acc) in sorted(self.by_bucket.items())},
-            "phase_seconds": {p: sum(self.phase_times[p]) for p in PHASES},
-            "phase_histogram_ms": {"edges": list(HIST_EDGES_MS), **{p: self.histogram(p) for p in PHASES}},
+            "phase_seconds": dict(self.phase_seconds),
+            "phase_histogram_ms": {"edges": list(HIST_EDGES_MS), **{p: list(c) for p, c in self.phase_counts.items()}},
         }
 
 
@@ -84,4 +96,4 @@ class _Timer:
         self.t0 = self.tel.clock()
 
     def __exit__(self, *exc):
-        self.tel.phase_times[self.name].append(self.tel.clock() - self.t0)
+        self.tel.add_time(self.name, self.tel.clock() - self.t0)

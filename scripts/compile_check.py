@@ -19,7 +19,7 @@ from kernels import (attention_prefill, attention_verify, commit_state, gated_rm
                      mamba_scan, mamba_verify, rmsnorm, verdict_greedy, verdict_sample)
 
 # pointers default to fp32 and scalars to i32; these are the exceptions
-TYPES = {"p_slot": "*i64", "p_na": "*i64", "p_active": "*u8", "p_idx": "*i64", "p_pa": "*i64", "p_drafts": "*i64",
+TYPES = {"p_slot": "*i64", "p_na": "*i64", "p_active": "*u8", "p_idx": "*i64", "p_pa": "*i32", "p_drafts": "*i64",
          "p_nd": "*i64", "p_picks": "*i64", "p_tok": "*i64", "p_len": "*i64",
          "dt_lo": "fp32", "dt_hi": "fp32", "scale": "fp32", "eps": "fp32", "multiplier": "fp32"}
 MAMBA = dict(H=48, P=64, N=128, G=1, W=4, BLOCK_P=16, BLOCK_N=128, BLOCK_W=4)

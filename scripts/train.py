@@ -8,7 +8,7 @@ Steps:
     generated codec tables); the modules of HELD_OUT are never trained on and give the held-out loss
     and the benchmark prompts.
  2. a byte-level BPE tokenizer (tokenizers) on the training files; documents are joined by EOS.
- 3. the model of SPEC §2 trained jointly with its MTP head:
+ 3. the model of docs/DESIGN.md §2 trained jointly with its MTP head:
         loss = CE(logits_p, x_{p+1}) + mtp_weight * CE(mtp_logits(o_p), x_{p+2}),
         o_p = MTP(h_p, x_{p+1}),  h_p the base model's final-normed hidden.
     AdamW, linear warmup + cosine decay, gradient clipping; Mamba layers use the chunked SSD scan

@@ -187,6 +187,8 @@ def test_attention_verify_rejects_bad_shapes(device):
         attention_verify(q, k, v, kc, vc, slots[:1], lens, SCALE)
     with pytest.raises(ValueError, match="integer"):
         attention_verify(q, k, v, kc, vc, slots, lens.float(), SCALE)
+    with pytest.raises(ValueError, match="attention_verify: slot_ids, seq_lens must be contiguous"):
+        attention_verify(q, k, v, kc, vc, slots, torch.tensor([[4, 0], [9, 0]])[:, 0], SCALE)
     with pytest.raises(ValueError, match="k_cache"):
         attention_verify(q, k, v, kc[..., :8], vc[..., :8], slots, lens, SCALE)
     with pytest.raises(ValueError, match="unit stride"):

@@ -1,4 +1,4 @@
-"""The cached entry points against the no-cache forward and against each other (SPEC §6)."""
+"""The cached entry points against the no-cache forward and against each other (docs/DESIGN.md §6)."""
 import pytest
 import torch
 

@@ -48,8 +48,8 @@ def attention_verify_bytes(seq_len: int, Bsz: int, K: int, elem: int) -> int:
 
 
 def verdict_greedy_bytes(V: int, Bsz: int, K: int, elem: int) -> int:
-    """Logits read once; drafts and num_drafts read; picks (int64), logprobs (fp32), na written."""
-    return Bsz * K * V * elem + Bsz * (K - 1) * 8 + Bsz * 8 + Bsz * K * (8 + 4) + Bsz * 8
+    """Logits read once; drafts and num_drafts read; picks and na (int64) written."""
+    return Bsz * K * V * elem + Bsz * (K - 1) * 8 + Bsz * 8 + Bsz * K * 8 + Bsz * 8
 
 
 def _verify_inputs(seq_len: int, Bsz: int, K: int):
