@@ -1,9 +1,15 @@
 """Checkpoint loading and saving: config.json + safetensors, never pickle.
 
 A checkpoint directory holds config.json and either model.safetensors or a
-sharded model.safetensors.index.json (the layout transformers writes). Loading
-is strict: every tensor the config implies must be there with its shape, and
+sharded model.safetensors.index.json (the layout transformers writes), and
+optionally mtp.safetensors: an MTP head trained for a base that had none
+(scripts/train_mtp.py), read together with the base files. Loading is strict:
+every tensor the config implies must be there exactly once with its shape, and
 nothing else may be.
+
+Loading reads one tensor at a time straight into the model's parameters, already
+in the target dtype and on the target device, so the peak memory is the model
+plus its largest stored tensor (not the stored checkpoint plus a converted copy).
 """
 import json
 import os
@@ -20,6 +26,8 @@ from nano_spec.model import HybridLM
 from nano_spec.ops import Ops
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+STORED_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}  # safetensors dtype names
+HEAD_FILE = "mtp.safetensors"  # an MTP head stored beside an untouched base
 
 
 class CheckpointError(ValueError):
@@ -29,31 +37,69 @@ class CheckpointError(ValueError):
 def _shards(path: Path) -> list:
     single, index = path / "model.safetensors", path / "model.safetensors.index.json"
     if single.is_file():
-        return [single]
-    if index.is_file():
+        files = [single]
+    elif index.is_file():
         try:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            return [path / f for f in sorted(set(weight_map.values()))]
+            files = [path / f for f in sorted(set(weight_map.values()))]
         except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
             raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
-    found = sorted(p.name for p in path.glob("*") if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
-    hint = f" (found {', '.join(found)}: pickle-based files are never loaded)" if found else ""
-    raise CheckpointError(f"{path}: no model.safetensors or model.safetensors.index.json{hint}")
+    else:
+        found = sorted(p.name for p in path.glob("*") if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
+        hint = f" (found {', '.join(found)}: pickle-based files are never loaded)" if found else ""
+        raise CheckpointError(f"{path}: no model.safetensors or model.safetensors.index.json{hint}")
+    return files + ([path / HEAD_FILE] if (path / HEAD_FILE).is_file() else [])
+
+
+def _open(shard: Path):
+    if not shard.is_file():
+        raise CheckpointError(f"{shard}: shard listed in the index is missing")
+    try:
+        return safe_open(str(shard), framework="pt")
+    except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+        raise CheckpointError(f"{shard}: not a readable safetensors file (truncated or corrupt?): {e}") from None
+
+
+def tensor_index(path) -> dict:
+    """name -> (file, stored dtype name, shape) from the headers alone; no tensor data is read.
+
+    A name stored in two files is refused: which copy would win is not something to guess.
+    """
+    index, twice = {}, []
+    for shard in _shards(Path(path)):
+        with _open(shard) as f:
+            for name in f.keys():
+                s = f.get_slice(name)
+                if name in index:
+                    twice.append(f"{name} ({index[name][0].name}, {shard.name})")
+                index[name] = (shard, s.get_dtype(), tuple(s.get_shape()))
+    if twice:
+        raise CheckpointError(f"{path}: tensors stored more than once: {', '.join(sorted(twice))}")
+    return index
+
+
+def _read(shard: Path, name: str) -> torch.Tensor:
+    # One open per tensor: safetensors maps the file, and the pages a read touches stay resident
+    # until the file is closed, which would hold the whole stored checkpoint beside the model.
+    try:
+        with _open(shard) as f:
+            return f.get_tensor(name)
+    except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+        raise CheckpointError(f"{shard}: not a readable safetensors file (truncated or corrupt?): {e}") from None
 
 
 def read_tensors(path) -> dict:
-    """All tensors of a checkpoint directory, by name, as stored."""
-    tensors = {}
-    for shard in _shards(Path(path)):
-        if not shard.is_file():
-            raise CheckpointError(f"{shard}: shard listed in the index is missing")
-        try:
-            with safe_open(str(shard), framework="pt") as f:
-                for name in f.keys():
-                    tensors[name] = f.get_tensor(name)
-        except (SafetensorError, OSError, RuntimeError, ValueError) as e:
-            raise CheckpointError(f"{shard}: not a readable safetensors file (truncated or corrupt?): {e}") from None
-    return tensors
+    """All tensors of a checkpoint directory, by name, as stored (for tools and tests; load_model streams)."""
+    return {name: _read(shard, name) for name, (shard, _, _) in tensor_index(path).items()}
+
+
+def stored_dtype(path) -> torch.dtype:
+    """The dtype most of the stored parameters are in (counted by elements), e.g. bf16 for a hub checkpoint."""
+    count = {}
+    for _, dt, shape in tensor_index(path).values():
+        if dt in STORED_DTYPES:
+            count[dt] = count.get(dt, 0) + torch.Size(shape).numel()
+    return STORED_DTYPES[max(count, key=count.get)] if count else torch.float32
 
 
 def load_model(path, device="cpu", dtype=torch.float32, backend: str = "torch") -> HybridLM:
@@ -64,25 +110,28 @@ def load_model(path, device="cpu", dtype=torch.float32, backend: str = "torch") 
     if dtype not in FLOAT_DTYPES:
         raise ValueError(f"dtype: {dtype} is not one of {FLOAT_DTYPES}")
     cfg = ModelConfig.from_file(path / "config.json")
-    tensors = read_tensors(path)
+    stored = tensor_index(path)
     with torch.device("meta"):
         model = HybridLM(cfg, Ops(backend))
     expected = {n: tuple(p.shape) for n, p in model.state_dict().items()}
     if cfg.tie_word_embeddings:
-        tensors.pop("lm_head.weight", None)  # some writers store the tied head too; it is the embedding
-    missing = sorted(set(expected) - set(tensors))
-    unexpected = sorted(set(tensors) - set(expected))
-    wrong = sorted(f"{n} {tuple(tensors[n].shape)} (expected {expected[n]})"
-                   for n in set(expected) & set(tensors) if tuple(tensors[n].shape) != expected[n])
-    bad_dtype = sorted(n for n, t in tensors.items() if n in expected and t.dtype not in FLOAT_DTYPES)
+        stored.pop("lm_head.weight", None)  # some writers store the tied head too; it is the embedding
+    missing = sorted(set(expected) - set(stored))
+    unexpected = sorted(set(stored) - set(expected))
+    wrong = sorted(f"{n} {stored[n][2]} (expected {expected[n]})"
+                   for n in set(expected) & set(stored) if stored[n][2] != expected[n])
+    bad_dtype = sorted(n for n, (_, dt, _) in stored.items() if n in expected and dt not in STORED_DTYPES)
     if missing or unexpected or wrong or bad_dtype:
         parts = [f"{label}: {', '.join(names)}" for label, names in
                  (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong),
                   ("not a float dtype", bad_dtype)) if names]
         raise CheckpointError(f"{path}: tensors do not match config.json; " + "; ".join(parts))
-    model = model.to_empty(device=device)
-    model.load_state_dict({n: t.to(dtype) for n, t in tensors.items()}, strict=True)
-    return model.to(device=device, dtype=dtype).eval()
+    model = model.to(dtype).to_empty(device=device)  # uninitialised: every parameter is written below
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, (shard, _, _) in stored.items():
+            params[name].copy_(_read(shard, name))  # converts dtype and moves to device in one copy
+    return model.eval()
 
 
 def save_model(model: HybridLM, path, extra_files: dict | None = None):

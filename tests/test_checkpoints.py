@@ -147,3 +147,75 @@ def test_config_not_json(tmp_path):
     (tmp_path / "config.json").write_text("{nope")
     with pytest.raises(ConfigError, match="not valid JSON"):
         ModelConfig.from_file(tmp_path / "config.json")
+
+
+def split_head(path):
+    """Move the mtp.* tensors of a checkpoint into mtp.safetensors, as scripts/train_mtp.py stores a head."""
+    from nano_spec.weights import read_tensors
+
+    t = read_tensors(path)
+    save_file({n: v for n, v in t.items() if not n.startswith("mtp.")}, str(path / "model.safetensors"))
+    save_file({n: v for n, v in t.items() if n.startswith("mtp.")}, str(path / "mtp.safetensors"))
+    return t
+
+
+def test_base_and_head_files_load_together(ckpt):
+    model, path = ckpt
+    split_head(path)
+    loaded = load_model(path)
+    for (n, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items()):
+        assert_unchanged(n, a, b)
+
+
+def test_a_tensor_in_two_files_is_refused(ckpt):
+    _, path = ckpt
+    t = split_head(path)
+    save_file({n: v for n, v in t.items() if not n.startswith("mtp.") or n == "mtp.eh_proj.weight"},
+              str(path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"stored more than once: mtp\.eh_proj\.weight \(model\.safetensors, "
+                                              r"mtp\.safetensors\)"):
+        load_model(path)
+
+
+def test_head_file_without_head_in_config_is_refused(ckpt):
+    _, path = ckpt
+    split_head(path)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(dict(cfg, num_nextn_predict_layers=0)))
+    with pytest.raises(CheckpointError, match=r"unexpected: mtp\."):
+        load_model(path)
+
+
+LOAD_PEAK = """
+import sys, torch
+from nano_spec.config import ModelConfig
+from nano_spec.llm import weight_bytes
+from nano_spec.weights import load_model
+# LLM counts the weights on the meta device before loading; that also pays one-off library costs
+# (the kernel modules, torch's first Conv1d), which are code, not loading
+weight_bytes(ModelConfig.from_file(sys.argv[1] + "/config.json"), torch.float32)
+def status(key):
+    return next(int(line.split()[1]) * 1024 for line in open('/proc/self/status') if line.startswith(key))
+open('/proc/self/clear_refs', 'w').write('5')  # the peak (VmHWM) restarts from the current RSS
+before = status('VmRSS:')
+model = load_model(sys.argv[1], dtype=getattr(torch, sys.argv[2]))
+print(status('VmHWM:') - before, sum(p.numel() * p.element_size() for p in model.parameters()))
+"""
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/clear_refs"), reason="needs Linux /proc")
+def test_loading_peak_memory_is_near_the_model_size(tmp_path):
+    """A bf16 checkpoint loaded as fp32: the resident peak grows by at most 1.3x the loaded model, so neither
+    all stored tensors nor a converted copy of them are held beside it."""
+    import subprocess
+    import sys
+
+    model = tiny_model(hidden_size=512, shared_intermediate_size=2048, num_attention_heads=8, num_key_value_heads=2,
+                       mamba_n_heads=16, mamba_n_groups=1, mamba_d_state=64, mamba_expand=2, vocab_size=512,
+                       layer_types=["mamba", "attention", "mamba", "mamba", "attention", "mamba"])
+    save_model(model.to(torch.bfloat16), tmp_path / "ck")  # ~28M params: 56 MB stored, 112 MB loaded
+    r = subprocess.run([sys.executable, "-c", LOAD_PEAK, str(tmp_path / "ck"), "float32"], capture_output=True,
+                       text=True, timeout=120, env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr
+    peak, size = map(int, r.stdout.split())
+    assert peak <= 1.3 * size, f"loading peak {peak / 2**20:.1f} MiB for a {size / 2**20:.1f} MiB model"
