@@ -173,6 +173,8 @@ def print_stats(st: dict, good: list, elapsed: float):
     rate = f"tokens/s {n_tokens / elapsed:.1f}  " if n_tokens else "tokens/s -  "  # failed requests do not count
     print(f"{rate}tau {st['tau']:.3f}  accept_at {[round(a, 3) for a in st['accept_at']]}  "
           f"verify steps {st['verify_steps']}", file=sys.stderr)
+    print(f"  max_seq_len {st['max_seq_len']}  weights + caches {st['memory_bytes'] / 2**30:.2f} GiB of a "
+          f"{st['memory_budget'] / 2**30:.2f} GiB budget", file=sys.stderr)
     for bucket, b in st["accept_at_by_seq_len"].items():
         print(f"  seq_len {bucket:<9} steps {b['steps']:<6} accept_at {[round(a, 3) for a in b['accept_at']]}",
               file=sys.stderr)

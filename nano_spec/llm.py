@@ -16,7 +16,7 @@ from nano_spec.sampling import SamplingParams
 from nano_spec.scheduler import Scheduler
 from nano_spec.telemetry import Telemetry
 from nano_spec.tokenizer import Tokenizer
-from nano_spec.weights import load_model
+from nano_spec.weights import load_model, stored_dtype
 
 WEIGHTS_DIR = Path(__file__).resolve().parent.parent / "weights"
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -27,7 +27,11 @@ def available_bytes(device: torch.device) -> int:
     """Free memory on the device the caches will live on."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    try:  # MemAvailable counts the page cache the kernel can reclaim, which free pages alone leave out
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def _device(device) -> torch.device:
@@ -54,12 +58,19 @@ def weight_bytes(cfg: ModelConfig, dtype) -> int:
     return n * torch.tensor([], dtype=dtype).element_size()
 
 
+def memory_parts(cfg: ModelConfig, max_batch: int, max_seq_len: int, num_drafts: int, dtype, weights: int) -> dict:
+    """Bytes of the weights and of every cache and stash for these settings (nothing is allocated)."""
+    K = num_drafts + 1
+    parts = {"weights": weights}
+    parts.update(cache_bytes(cfg, max_batch, max_seq_len + 2 * K, max_batch, K, dtype))
+    parts["draft_probs"] = max_batch * num_drafts * cfg.vocab_size * 4  # allocated on the first sampled request
+    return parts
+
+
 def check_memory(cfg: ModelConfig, max_batch: int, max_seq_len: int, num_drafts: int, dtype, budget: int):
     """Refuse, before allocating anything, weights, caches and stashes that do not fit in the budget."""
     K = num_drafts + 1
-    parts = {"weights": weight_bytes(cfg, dtype)}
-    parts.update(cache_bytes(cfg, max_batch, max_seq_len + 2 * K, max_batch, K, dtype))
-    parts["draft_probs"] = max_batch * num_drafts * cfg.vocab_size * 4  # allocated on the first sampled request
+    parts = memory_parts(cfg, max_batch, max_seq_len, num_drafts, dtype, weight_bytes(cfg, dtype))
     need = sum(parts.values())
     if need > budget:
         detail = ", ".join(f"{k} {_size(v)}" for k, v in parts.items() if v)
@@ -67,6 +78,25 @@ def check_memory(cfg: ModelConfig, max_batch: int, max_seq_len: int, num_drafts:
                          f"weights and caches ({detail}) but the budget is {_size(budget)}; lower max_batch or "
                          "max_seq_len")
     return need
+
+
+def default_max_seq_len(cfg: ModelConfig, max_batch: int, num_drafts: int, dtype, budget: int) -> int:
+    """The largest max_seq_len, at most max_position_embeddings, whose weights and caches fit in the budget.
+
+    Only the KV caches grow with it, so the need is monotonic and a bisection finds the largest that fits.
+    When not even 2 fits, check_memory refuses with the numbers (max_batch is then what must go down).
+    """
+    weights = weight_bytes(cfg, dtype)
+    fits = lambda n: sum(memory_parts(cfg, max_batch, n, num_drafts, dtype, weights).values()) <= budget  # noqa: E731
+    lo, hi = 2, max(2, cfg.max_position_embeddings)
+    if fits(hi):
+        return hi
+    if not fits(lo):
+        check_memory(cfg, max_batch, lo, num_drafts, dtype, budget)
+    while lo < hi:  # fits(lo) holds, fits(hi) does not
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
 
 
 def _size(n: int) -> str:
@@ -113,7 +143,6 @@ class LLM:
             dtype = DTYPES[dtype]
         if dtype is not None and dtype not in DTYPES.values():
             raise ValueError(f"dtype: {dtype!r} is not one of {sorted(DTYPES)} or their torch dtypes")
-        dtype = dtype or torch.float32  # fp32 by default: greedy outputs are then exactly reproducible
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or not 1 <= max_batch <= 1024:
             raise ValueError(f"max_batch: {max_batch!r} must be an integer in [1, 1024]")
         if memory_budget is not None and (isinstance(memory_budget, bool) or not isinstance(memory_budget, int)
@@ -129,11 +158,16 @@ class LLM:
         cfg = ModelConfig.from_file(path / "config.json")
         self.tokenizer = Tokenizer(path, cfg)
         self.proposer = make_proposer(proposer, num_drafts, cfg.has_mtp)
-        max_seq_len = cfg.max_position_embeddings if max_seq_len is None else max_seq_len
-        if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 2:
+        if dtype is None:  # CUDA: the stored dtype (bf16 for hub checkpoints); CPU: fp32, see README
+            dtype = stored_dtype(path) if device.type == "cuda" else torch.float32
+        if max_seq_len is not None and (isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int)
+                                        or max_seq_len < 2):
             raise ValueError(f"max_seq_len: {max_seq_len!r} must be an integer >= 2")
         budget = int(0.9 * available_bytes(device)) if memory_budget is None else memory_budget
+        if max_seq_len is None:  # the largest that fits; only an explicit request is refused
+            max_seq_len = default_max_seq_len(cfg, max_batch, self.proposer.num_drafts, dtype, budget)
         self.cache_bytes = check_memory(cfg, max_batch, max_seq_len, self.proposer.num_drafts, dtype, budget)
+        self.memory_budget = budget
         self.model = load_model(path, device=device, dtype=dtype, backend=backend)
         self.max_seq_len = max_seq_len
         self.telemetry = Telemetry(self.proposer.num_drafts, clock)
@@ -208,8 +242,9 @@ class LLM:
 
     @property
     def stats(self) -> dict:
-        """Telemetry since the engine started (metrics of docs/DESIGN.md §7)."""
-        return self.telemetry.summary()
+        """Telemetry since the engine started (metrics of docs/DESIGN.md §7), and the memory settings."""
+        return {**self.telemetry.summary(), "max_seq_len": self.max_seq_len, "memory_bytes": self.cache_bytes,
+                "memory_budget": self.memory_budget}
 
 
 class Stream:
