@@ -1,0 +1,164 @@
+"""A checkpoint shaped like the published Granite 4.0-H ones, made and saved by transformers.
+
+The config.json has granite-4.0-h-350m's published field set and values (multipliers 12 / 0.015625 /
+0.246 / 3, NoPE, attention at irregular layer positions, mamba_d_head 32, d_state 128, one group,
+tied embeddings, vocab 100352, the hub's spelling "mamba"/"attention"); only hidden size, layer
+count and widths are shrunk so that the test takes seconds. transformers builds the model with
+random weights and saves it in bf16, as the hub stores it; the tokenizer.json has fewer tokens than
+the vocabulary, as real checkpoints can. transformers is the oracle for logits and greedy output.
+"""
+import json
+
+import pytest
+import torch
+
+from helpers import assert_close, train_tiny_tokenizer
+from nano_spec.config import ModelConfig
+from nano_spec.llm import LLM, check_memory, default_max_seq_len, memory_parts, weight_bytes
+from nano_spec.sampling import SamplingParams
+from nano_spec.weights import load_model, stored_dtype
+
+transformers = pytest.importorskip("transformers")
+
+
+def granite_350m() -> dict:
+    """granite-4.0-h-350m's config.json as published (field set and values)."""
+    attention = {10, 13, 17, 27}
+    return dict(
+        architectures=["GraniteMoeHybridForCausalLM"], model_type="granitemoehybrid", attention_bias=False,
+        attention_dropout=0.0, attention_multiplier=0.015625, bos_token_id=100257, embedding_multiplier=12,
+        eos_token_id=100257, hidden_act="silu", hidden_size=768, init_method="mup", initializer_range=0.1,
+        intermediate_size=2048, layer_types=["attention" if i in attention else "mamba" for i in range(32)],
+        logits_scaling=3, mamba_chunk_size=256, mamba_conv_bias=True, mamba_d_conv=4, mamba_d_head=32,
+        mamba_d_state=128, mamba_expand=2, mamba_n_groups=1, mamba_n_heads=48, mamba_proj_bias=False,
+        max_position_embeddings=32768, normalization_function="rmsnorm", num_attention_heads=12,
+        num_experts_per_tok=0, num_hidden_layers=32, num_key_value_heads=4, num_local_experts=0,
+        output_router_logits=False, pad_token_id=100256, position_embedding_type="nope", residual_multiplier=0.246,
+        rms_norm_eps=1e-05, rope_scaling=None, rope_theta=10000, router_aux_loss_coef=0.01,
+        shared_intermediate_size=2048, tie_word_embeddings=True, torch_dtype="bfloat16", use_cache=True,
+        vocab_size=100352)
+
+
+def granite_1b() -> dict:
+    """granite-4.0-h-1b's shapes: hidden 1536, 40 layers with attention at 5/15/25/35, Mamba head dim 64."""
+    attention = {5, 15, 25, 35}
+    return dict(granite_350m(), hidden_size=1536, num_hidden_layers=40, mamba_d_head=64, mamba_n_heads=48,
+                layer_types=["attention" if i in attention else "mamba" for i in range(40)],
+                intermediate_size=4096, shared_intermediate_size=4096, max_position_embeddings=131072)
+
+
+def shrunk() -> dict:
+    """The 350m with hidden 768 -> 192, 32 -> 12 layers (attention at 4, 5, 6, 10: 10/13/17/27 scaled and
+    rounded), MLP 2048 -> 256 and Mamba heads 48 -> 12 of the same d_head 32; every other field as published."""
+    attention = {4, 5, 6, 10}
+    return dict(granite_350m(), hidden_size=192, num_hidden_layers=12, mamba_n_heads=12,
+                layer_types=["attention" if i in attention else "mamba" for i in range(12)],
+                intermediate_size=256, shared_intermediate_size=256)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """(checkpoint directory, transformers model in fp32 read back from it)."""
+    path = tmp_path_factory.mktemp("granite") / "granite-4.0-h-350m-shrunk"
+    hub = shrunk()
+    torch.manual_seed(0)
+    hf = transformers.GraniteMoeHybridForCausalLM(transformers.GraniteMoeHybridConfig(**hub)).eval()
+    with torch.no_grad():  # make every weight matter: no unit norms, D or zero conv biases
+        for name, p in hf.named_parameters():
+            if "norm" in name or "bias" in name or name.endswith(".D"):
+                p.add_(0.2 * torch.randn_like(p))
+    hf.to(torch.bfloat16).save_pretrained(path)
+    (path / "config.json").write_text(json.dumps(hub, indent=2))  # the hub's file, not transformers' rewrite
+    assert train_tiny_tokenizer(path / "tokenizer.json") < hub["vocab_size"]
+    ref = transformers.GraniteMoeHybridForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return path, ref
+
+
+def test_bf16_checkpoint_loads_strictly_and_runs_fp32_on_cpu(ckpt):
+    path, _ = ckpt
+    assert stored_dtype(path) == torch.bfloat16
+    cfg = ModelConfig.from_file(path / "config.json")
+    assert cfg.attention_layers == [4, 5, 6, 10] and cfg.mamba_d_head == 32 and cfg.rope is None
+    llm = LLM(path, backend="torch", device="cpu", max_batch=2, max_seq_len=512)
+    assert llm.model.model.embed_tokens.weight.dtype == torch.float32  # CPU default, whatever is stored
+    assert llm.proposer.__class__.__name__.lower().startswith("ngram")  # no MTP head: n-gram drafts
+
+
+def test_logits_match_transformers_past_a_chunk(ckpt):
+    path, ref = ckpt
+    ours = load_model(path)
+    ids = torch.randint(0, 100352, (1, 300))  # past mamba_chunk_size 256: transformers' chunked SSD path
+    with torch.no_grad():
+        err = assert_close("logits vs transformers", ref(ids).logits, ours(ids), atol=1e-4)
+    print(f"max abs logits error vs transformers: {err:.2e}")
+
+
+def prompts(path) -> list:
+    from nano_spec.tokenizer import Tokenizer
+
+    tok = Tokenizer(path, ModelConfig.from_file(path / "config.json"))
+    texts = ["def f(x):\n    return x + 1\n" * 3, "for i in range(10):\n    print(i)\n" * 2, "héllo wörld ✓ " * 4]
+    return [tok.encode(t) for t in texts]
+
+
+def test_greedy_generation_equals_transformers_generate(ckpt):
+    path, ref = ckpt
+    ids = prompts(path)
+    n = 24
+    llm = LLM(path, backend="torch", device="cpu", max_batch=3, max_seq_len=256, proposer="none")
+    outs = llm.generate(ids, SamplingParams(max_new_tokens=n))
+    for p, out in zip(ids, outs):
+        with torch.no_grad():
+            gen = ref.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False)[0, len(p):].tolist()
+        assert out.token_ids == gen, (out.token_ids, gen)
+
+
+def test_ngram_speculation_is_lossless(ckpt):
+    path, _ = ckpt
+    ids = prompts(path)
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    plain = LLM(path, backend="torch", device="cpu", max_batch=3, max_seq_len=256, proposer="none").generate(ids, params)
+    spec = LLM(path, backend="torch", device="cpu", max_batch=3, max_seq_len=256, proposer="ngram", num_drafts=3)
+    outs = spec.generate(ids, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert any("draft" in o.origins for o in outs), "no draft was accepted: the test did not exercise speculation"
+
+
+def test_two_shard_save_by_transformers(ckpt, tmp_path):
+    path, ref = ckpt
+    ref.to(torch.bfloat16).save_pretrained(tmp_path, max_shard_size="30MB")
+    ref.float()
+    (tmp_path / "config.json").write_text((path / "config.json").read_text())
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) == 2 and not (tmp_path / "model.safetensors").exists()
+    single, sharded = load_model(path).state_dict(), load_model(tmp_path).state_dict()
+    assert single.keys() == sharded.keys()
+    for n in single:
+        assert torch.equal(single[n], sharded[n]), n
+
+
+@pytest.mark.parametrize("hub, capped", [(granite_350m, True), (granite_1b, False)], ids=["350m", "1b"])
+def test_default_max_seq_len_is_the_largest_that_fits(hub, capped):
+    """At the published sizes (counted on the meta device): on a 24 GB machine the 350m gets its full
+    max_position_embeddings and the 1b the largest length whose fp32 weights and caches fit."""
+    cfg = ModelConfig.from_dict(hub())
+    budget = int(0.9 * 24 * 10**9)
+    n = default_max_seq_len(cfg, 8, 3, torch.float32, budget)
+    check_memory(cfg, 8, n, 3, torch.float32, budget)  # fits
+    if capped:
+        assert n == cfg.max_position_embeddings
+    else:
+        assert 4096 < n < cfg.max_position_embeddings
+        with pytest.raises(ValueError, match=r"memory: max_batch=8, max_seq_len=\d+, K=4 need .* but the budget"):
+            check_memory(cfg, 8, n + 1, 3, torch.float32, budget)  # one more row does not
+
+
+def test_llm_default_fits_a_small_budget_and_an_explicit_request_is_refused(ckpt):
+    path, _ = ckpt
+    cfg = ModelConfig.from_file(path / "config.json")
+    want = 1000
+    budget = sum(memory_parts(cfg, 2, want, 3, torch.float32, weight_bytes(cfg, torch.float32)).values())
+    llm = LLM(path, backend="torch", device="cpu", max_batch=2, memory_budget=budget)
+    assert llm.max_seq_len == want and llm.stats["max_seq_len"] == want
+    with pytest.raises(ValueError, match="memory: max_batch=2, max_seq_len=1001"):
+        LLM(path, backend="torch", device="cpu", max_batch=2, memory_budget=budget, max_seq_len=want + 1)
