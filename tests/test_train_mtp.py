@@ -1,0 +1,87 @@
+"""scripts/train_mtp.py: an MTP head trained for a frozen base that has none, stored beside the untouched base."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from helpers import tiny_checkpoint
+from nano_spec.llm import LLM
+from nano_spec.sampling import SamplingParams
+from nano_spec.weights import load_model
+
+ROOT = Path(__file__).resolve().parents[1]
+CORPUS = "def f(x):\n    return x + 1\n\nfor i in range(10):\n    print(f(i))\n" * 40
+
+
+def train_mtp(*args):
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / "train_mtp.py"), *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("train_mtp")
+    base = tiny_checkpoint(tmp / "base", seed=3, num_nextn_predict_layers=0)
+    (tmp / "corpus.txt").write_text(CORPUS)
+    out = tmp / "out"
+    proc = train_mtp("--base", base, "--out", out, "--corpus", tmp / "corpus.txt", "--steps", 4, "--seq-len", 16,
+                     "--batch", 2, "--threads", 1, "--eval-windows", 2, "--amp", "none", "--lr", "3e-3", "--warmup", 1)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return base, out, proc.stderr
+
+
+def test_output_is_the_untouched_base_plus_a_head(trained):
+    base, out, log = trained
+    assert "mtp.layer initialised from model.layers.1" in log  # the tiny base's only attention layer
+    assert "tok/s" in log
+    for f in base.iterdir():
+        if f.name != "config.json":
+            assert (out / f.name).read_bytes() == f.read_bytes(), f.name  # bit-identical base files
+    cfg_base, cfg_out = (json.loads((d / "config.json").read_text()) for d in (base, out))
+    assert cfg_base["num_nextn_predict_layers"] == 0 and cfg_out.pop("num_nextn_predict_layers") == 1
+    assert cfg_out == {k: v for k, v in cfg_base.items() if k != "num_nextn_predict_layers"}
+    with safe_open(str(out / "mtp.safetensors"), "pt") as f:
+        names = set(f.keys())
+    model = load_model(out)
+    assert names == {n for n in model.state_dict() if n.startswith("mtp.")}
+    assert json.loads((out / "mtp_train_log.json").read_text())["steps"] == 4
+
+
+def test_base_frozen_head_trained(trained):
+    base, out, _ = trained
+    ours, ref = load_model(out).state_dict(), load_model(base).state_dict()
+    for n, t in ref.items():
+        assert torch.equal(ours[n], t), n
+    src, head = ref["model.layers.1.self_attn.q_proj.weight"], ours["mtp.layer.self_attn.q_proj.weight"]
+    assert not torch.equal(src, head) and torch.allclose(src, head, atol=0.1)  # started as the copy, then trained
+
+
+def test_engine_runs_the_trained_head_losslessly(trained):
+    base, out, _ = trained
+    prompts = ["def f(x):\n", "for i in range(3):\n    print("]
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    plain = LLM(base, backend="torch", device="cpu", max_batch=2, max_seq_len=64, proposer="none").generate(prompts,
+                                                                                                            params)
+    llm = LLM(out, backend="torch", device="cpu", max_batch=2, max_seq_len=64, proposer="mtp", num_drafts=3)
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert llm.stats["verify_steps"] > 0
+
+
+def test_refusals_name_the_problem(trained, tmp_path, capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_mtp", ROOT / "scripts" / "train_mtp.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    base, out, _ = trained
+    for args, message in [(["--base", out, "--out", tmp_path / "again"], "num_nextn_predict_layers: "),  # has a head
+                          (["--base", base, "--out", base / "inside"], "--out: "),
+                          (["--base", tmp_path, "--out", tmp_path / "x"], "--base: ")]:
+        assert script.main([str(a) for a in args]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and message in err and len(err.strip().splitlines()) == 1, err
