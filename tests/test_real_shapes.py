@@ -117,9 +117,9 @@ def test_ngram_speculation_is_lossless(ckpt):
     path, _ = ckpt
     ids = prompts(path)
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
-    plain = LLM(path, backend="torch", device="cpu", max_batch=3, max_seq_len=256, proposer="none").generate(ids, params)
-    spec = LLM(path, backend="torch", device="cpu", max_batch=3, max_seq_len=256, proposer="ngram", num_drafts=3)
-    outs = spec.generate(ids, params)
+    kw = dict(backend="torch", device="cpu", max_batch=3, max_seq_len=256)
+    plain = LLM(path, proposer="none", **kw).generate(ids, params)
+    outs = LLM(path, proposer="ngram", num_drafts=3, **kw).generate(ids, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     assert any("draft" in o.origins for o in outs), "no draft was accepted: the test did not exercise speculation"
 

@@ -19,7 +19,8 @@ CORPUS = "def f(x):\n    return x + 1\n\nfor i in range(10):\n    print(f(i))\n"
 
 def train_mtp(*args):
     return subprocess.run([sys.executable, str(ROOT / "scripts" / "train_mtp.py"), *map(str, args)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300, env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+                          capture_output=True, text=True, timeout=300,
+                          env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
 
 
 @pytest.fixture(scope="module")
@@ -64,9 +65,9 @@ def test_engine_runs_the_trained_head_losslessly(trained):
     base, out, _ = trained
     prompts = ["def f(x):\n", "for i in range(3):\n    print("]
     params = SamplingParams(max_new_tokens=16, ignore_eos=True)
-    plain = LLM(base, backend="torch", device="cpu", max_batch=2, max_seq_len=64, proposer="none").generate(prompts,
-                                                                                                            params)
-    llm = LLM(out, backend="torch", device="cpu", max_batch=2, max_seq_len=64, proposer="mtp", num_drafts=3)
+    kw = dict(backend="torch", device="cpu", max_batch=2, max_seq_len=64)
+    plain = LLM(base, proposer="none", **kw).generate(prompts, params)
+    llm = LLM(out, proposer="mtp", num_drafts=3, **kw)
     outs = llm.generate(prompts, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     assert llm.stats["verify_steps"] > 0
