@@ -1,6 +1,7 @@
 """Train an MTP draft head for a base checkpoint that has none; the base stays frozen.
 
-    python scripts/train_mtp.py --base DIR --out DIR [--minutes 30] [--corpus PATH] [--save-at 10]
+    python scripts/train_mtp.py --base DIR --out DIR [--minutes 30 | --steps N] [--unroll 3] [--init-head DIR]
+                                [--corpus PATH] [--save-at 10]
 
 The head is the DeepSeek-V3 style one of docs/DESIGN.md §2. Its input is what the
 engine feeds it at inference: the base's final-normed hidden h_p (HybridLM.hidden)
@@ -9,6 +10,20 @@ and the embedding of x_{p+1}:
     o_p = MTP(h_p, x_{p+1}) = layer(eh_proj([enorm(embed(x_{p+1})) | hnorm(h_p)]))
     loss = CE(mtp_logits(o_p), softmax(base logits at p+1))     --target base (default)
          = CE(mtp_logits(o_p), x_{p+2})                          --target corpus
+
+--unroll D (default 3) trains the head the way it drafts: from every anchor p, step 1 is the
+above; step d > 1 feeds the head its own output o_{d-1} (pre-norm, exactly what MTPProposer feeds
+mtp_step) and the embedding of the TRUE token x_{p+d} (teacher-forced tokens, own hiddens), and
+predicts x_{p+d+1} (target as above, at that position). Gradients flow through the chain.
+Each depth's attention sees what it sees at inference: the catch-up (depth-1) rows of positions
+<= p and its own chain's earlier depths, never the stale catch-up row at its own position; the
+rows of depth d sit at MTP position p+d-1 (see mtp_unroll). The loss is
+
+    loss = sum_d w_d * loss_d,   w_d = decay^(d-1) / sum_k decay^(k-1)    (--depth-decay, default 0.8)
+
+Depth 1 weighs most because a draft only counts when every draft before it was accepted; with
+0.8 the weights at D = 3 are 0.41, 0.33, 0.26. Every depth is scored over the same T - D anchors
+of a window. --init-head DIR starts from the mtp.* tensors of an existing checkpoint.
 
 With --target base the head learns what the base will pick for x_{p+2}, which is
 what greedy verification accepts; the corpus token is what the base got right
@@ -49,6 +64,7 @@ from tokenizers import Tokenizer
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/train.py: the corpus and schedule helpers
 import train as base_train  # noqa: E402  (it puts the repository root on sys.path too)
 
+from kernels.common import apply_rope_ref  # noqa: E402
 from nano_spec import ssd  # noqa: E402
 from nano_spec.config import ModelConfig  # noqa: E402
 from nano_spec.model import MTPHead  # noqa: E402
@@ -128,31 +144,91 @@ def attach_head(model, seed: int) -> str:
     return origin
 
 
-def losses(model, batch, target: str):
-    """batch (B, T+1) -> (training loss, CE vs the corpus token, argmax agreement with the base) over T-1 positions."""
-    T = batch.shape[1] - 1
+def mtp_unroll(model, next_ids, h, depth: int) -> list:
+    """The head drafting `depth` steps from every anchor at once, as the engine drafts (teacher-forced tokens).
+
+    h (B, A, D): the base's final-normed hidden at anchors p = 0..A-1; next_ids (B, A+depth-1): x_1 .. x_{A+depth-1}.
+    Returns [o_1 .. o_depth], each (B, A, D) pre-norm: o_d[:, p] predicts x_{p+d+1}.
+
+    Row (d, p) is the MTP row at position p+d-1 (RoPE positions too). Depth 1 is the catch-up row of
+    position p (input h_p, x_{p+1}); depth d > 1 is draft step d-1 of the chain seeded at p (input
+    o_{d-1}[:, p], x_{p+d}). Attention runs over the concatenation of all depths' rows [depth 1 | .. | depth d]
+    with a mask: row (d, p) sees the catch-up rows (1, q) for q <= p and its own chain's rows (k, p) for
+    2 <= k <= d; never the catch-up row at its own position p+d-1 (d > 1), which drafting overwrites.
+    """
+    cfg, A = model.cfg, h.shape[1]
+    ar = torch.arange(A, device=h.device)
+    keys, vals, outs, o = [], [], [], h
+
+    def mix(d, y):  # y (B, A, D): the normed input of the rows of depth d
+        attn = model.mtp.layer.self_attn
+        q, k, v = attn.qkv(y)  # (B, A, H, Dh)
+        pos = ar + (d - 1)
+        q, k = apply_rope_ref(q, pos, cfg.rope), apply_rope_ref(k, pos, cfg.rope)
+        keys.append(k)
+        vals.append(v)
+        causal = ar[None, :] <= ar[:, None]  # (A, A): catch-up rows q <= p
+        own = ar[None, :] == ar[:, None]  # the chain's own earlier rows at the same anchor
+        mask = torch.cat([causal] + [own] * (d - 1), dim=1)  # (A, d*A) over [depth 1 | .. | depth d]
+        kk, vv = torch.cat(keys, dim=1), torch.cat(vals, dim=1)  # (B, d*A, Hkv, Dh)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), kk.transpose(1, 2), vv.transpose(1, 2),
+                                             attn_mask=mask, scale=cfg.attention_multiplier,
+                                             enable_gqa=q.shape[2] != kk.shape[2])  # (B, Hq, A, Dh)
+        return attn.o_proj(out.transpose(1, 2).flatten(2))
+
+    for d in range(1, depth + 1):
+        m = model._mtp_input(next_ids[:, d - 1:d - 1 + A], o)
+        o = model._stack(m, [model.mtp.layer], model.mtp.norm, lambda i, layer, y: mix(d, y))[1]
+        outs.append(o)
+    return outs
+
+
+def depth_weights(args) -> list:
+    """Loss weight of each depth: decay^(d-1), normalised to sum 1."""
+    w = [args.depth_decay ** d for d in range(args.unroll)]
+    return [x / sum(w) for x in w]
+
+
+def losses(model, batch, args):
+    """batch (B, T+1) -> (training loss, CE vs the corpus token, argmax agreement with the base), the last two
+    per depth (tensors of length --unroll), over the A = T - unroll anchors every depth has a target for."""
+    T, Dp = batch.shape[1] - 1, args.unroll
+    A = T - Dp
     with torch.no_grad():
         h = model.hidden(batch[:, :T])  # (B, T, D) final-normed, as the engine's hidden rows
-        base_pick = model.logits(h[:, 1:T]).float()  # (B, T-1, V): the base's prediction of x_{p+2}
-    o = model.mtp_hidden(batch[:, 1:T], h[:, :T - 1])  # (B, T-1, D)
-    logits = model.mtp_logits(o).float()  # (B, T-1, V)
-    ce = F.cross_entropy(logits.flatten(0, 1), batch[:, 2:].flatten())
-    loss = ce if target == "corpus" else F.cross_entropy(logits.flatten(0, 1), base_pick.softmax(-1).flatten(0, 1))
-    agree = (logits.argmax(-1) == base_pick.argmax(-1)).float().mean()  # greedy draft-1 acceptance proxy
-    return loss, ce, agree
+        base_logits = model.logits(h[:, 1:]).float() if args.target == "base" else None  # predicts x_{p+2} ..
+    outs = mtp_unroll(model, batch[:, 1:A + Dp], h[:, :A], Dp)
+    loss, ces, agrees = 0.0, [], []
+    for d, (o, w) in enumerate(zip(outs, depth_weights(args)), start=1):
+        logits = model.mtp_logits(o).float()  # (B, A, V): predicts x_{p+d+1}
+        tgt = batch[:, d + 1:d + 1 + A]
+        ce = F.cross_entropy(logits.flatten(0, 1), tgt.flatten())
+        if args.target == "corpus":
+            lo = ce
+            agree = (logits.argmax(-1) == tgt).float().mean()
+        else:
+            base_pick = base_logits[:, d - 1:d - 1 + A]  # the base's prediction at position p+d, of x_{p+d+1}
+            lo = F.cross_entropy(logits.flatten(0, 1), base_pick.softmax(-1).flatten(0, 1))
+            agree = (logits.argmax(-1) == base_pick.argmax(-1)).float().mean()  # greedy acceptance proxy
+        loss = loss + w * lo
+        ces.append(ce.detach())
+        agrees.append(agree.detach())
+    return loss, torch.stack(ces), torch.stack(agrees)
 
 
 @torch.no_grad()
 def evaluate(model, held, args, amp) -> dict:
     if len(held) == 0:
         return {}
-    tot = torch.zeros(3)
+    tot = torch.zeros(1 + 2 * args.unroll)
     for i in range(0, len(held), args.batch):
         b = held[i:i + args.batch].to(args.device)
         with amp():
-            tot += torch.stack([x.float().cpu() for x in losses(model, b, args.target)]) * len(b)
-    loss, ce, agree = (tot / len(held)).tolist()
-    return {"loss": round(loss, 4), "ce": round(ce, 4), "agree": round(agree, 4)}
+            loss, ce, agree = losses(model, b, args)
+        tot += torch.cat([loss.float().cpu().view(1), ce.float().cpu(), agree.float().cpu()]) * len(b)
+    t = (tot / len(held)).tolist()
+    r = lambda xs: [round(x, 4) for x in xs]  # noqa: E731
+    return {"loss": round(t[0], 4), "ce": r(t[1:1 + args.unroll]), "agree": r(t[1 + args.unroll:])}
 
 
 # ---- output --------------------------------------------------------------------------------------
@@ -227,6 +303,9 @@ def parse_args(argv=None):
     ap.add_argument("--max-files", type=int, default=None, help="stdlib corpus: only the first N training files")
     ap.add_argument("--target", choices=("base", "corpus"), default="base",
                     help="learn the base's distribution of x_{p+2} (default) or the corpus token")
+    ap.add_argument("--unroll", type=int, default=3, help="draft depths trained per anchor (1: depth 1 only)")
+    ap.add_argument("--depth-decay", type=float, default=0.8, help="depth d's loss weight is decay^(d-1), normalised")
+    ap.add_argument("--init-head", help="start from the mtp.* tensors of this checkpoint instead of a fresh head")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--threads", default="auto", help="intra-op threads, or auto: 2 or 1, whichever is faster")
     ap.add_argument("--amp", choices=("none", "bf16"), default="bf16", help="autocast dtype for the matmuls")
@@ -245,6 +324,8 @@ def parse_args(argv=None):
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.seq_len < 3 or args.batch < 1 or args.minutes <= 0 or args.steps < 0:
         raise ValueError("--seq-len >= 3, --batch >= 1, --minutes > 0 and --steps >= 0")
+    if not 1 <= args.unroll <= args.seq_len - 2 or args.depth_decay <= 0:
+        raise ValueError("--unroll: between 1 and --seq-len - 2; --depth-decay > 0")
     return args
 
 
@@ -282,6 +363,13 @@ def run(args, base: Path, out: Path, cfg: ModelConfig):
     model.requires_grad_(False)
     model.ops.mamba_scan = functools.partial(ssd.mamba_scan_chunked, chunk_size=cfg.mamba_chunk_size)  # chunked SSD
     origin = attach_head(model, args.seed)
+    if args.init_head:
+        init = load_model(Path(args.init_head), device=device, dtype=torch.float32)
+        if init.mtp is None:
+            raise ValueError(f"--init-head: {args.init_head} has no MTP head")
+        model.mtp.load_state_dict(init.mtp.state_dict())
+        origin = f"--init-head {args.init_head} (its mtp.* tensors)"
+        del init
     params = list(model.mtp.parameters())
     n_head, n_base = sum(p.numel() for p in params), sum(p.numel() for p in model.model.parameters())
     log(f"base {base}: {n_base / 1e6:.2f}M params, frozen; MTP head {n_head / 1e6:.2f}M params")
@@ -331,7 +419,7 @@ def run(args, base: Path, out: Path, cfg: ModelConfig):
         batch = train_w[perm[cursor:cursor + args.batch]].to(device)  # (B, T+1)
         cursor += args.batch
         with amp():
-            loss, ce, agree = losses(model, batch, args.target)
+            loss, ce, agree = losses(model, batch, args)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(params, args.clip).item()
@@ -342,14 +430,16 @@ def run(args, base: Path, out: Path, cfg: ModelConfig):
         tokens += batch.shape[0] * (batch.shape[1] - 1)  # tokens through the base, as train.py counts
         if step > 1:
             threads.record(dt)
-        vals = (loss.item(), ce.item(), agree.item())
-        ema = vals if ema is None else tuple(0.95 * e + 0.05 * v for e, v in zip(ema, vals))
-        rate = tokens / train_s
+        vals = torch.cat([loss.detach().float().view(1), ce.float(), agree.float()])  # loss, ce per depth, agree
+        ema = vals if ema is None else 0.95 * ema + 0.05 * vals
+        rate, U = tokens / train_s, args.unroll
+        fmt = lambda xs: "/".join(f"{x:.3f}" for x in xs.tolist())  # noqa: E731
         bar.show(min(1.0, progress), f"{train_s / 60:5.1f}/{args.minutes:g} min  step {step}  loss {ema[0]:.3f}  "
-                 f"ce {ema[1]:.3f}  agree {ema[2]:.3f}  {rate:,.0f} tok/s  lr {lr:.1e}")
+                 f"ce {fmt(ema[1:1 + U])}  agree {fmt(ema[1 + U:])}  {rate:,.0f} tok/s  lr {lr:.1e}")
         if step % args.log_every == 0:
-            history.append({"step": step, "minutes": round(train_s / 60, 2), "loss_ema": round(ema[0], 4),
-                            "ce_ema": round(ema[1], 4), "agree_ema": round(ema[2], 4), "lr": lr,
+            r = lambda xs: [round(x, 4) for x in xs.tolist()]  # noqa: E731
+            history.append({"step": step, "minutes": round(train_s / 60, 2), "loss_ema": round(ema[0].item(), 4),
+                            "ce_ema": r(ema[1:1 + U]), "agree_ema": r(ema[1 + U:]), "lr": lr,
                             "grad_norm": round(gnorm, 3), "tokens": tokens, "tokens_per_second": round(rate, 1),
                             "threads": threads.current})
     record(out, final=True)
