@@ -89,15 +89,16 @@ def commit_state(ssm_state, conv_state, ssm_stash, conv_stash, slot_ids, na, act
 
 def commit_state_ref(ssm_state, conv_state, ssm_stash, conv_stash, slot_ids, na, active):
     """ssm_state (L, S, H, P, N), conv_state (L, S, C, W-1), ssm_stash (L, B, K, H, P, N),
-    conv_stash (L, B, C, W-1+K), slot_ids, na (B,) int, active (B,) bool. In place; no host sync."""
-    K = ssm_stash.shape[2]
-    Wm1 = conv_state.shape[-1]
-    rows = torch.arange(slot_ids.shape[0], device=na.device)
-    take = (active & (na < K - 1))  # (B,)
-    na_c = na.clamp(0, K - 1)
-    new_ssm = ssm_stash[:, rows, na_c]  # (L, B, H, P, N)
-    cols = (na_c[:, None] + 1 + torch.arange(Wm1, device=na.device))  # (B, W-1)
+    conv_stash (L, B, C, W-1+K), slot_ids, na (B,) int, active (B,) bool. In place.
+
+    Only the rows that move are read and written. Finding them (nonzero) waits for the device;
+    this reference is the CPU path, where that costs nothing, and the kernel reads the mask itself."""
+    K, Wm1 = ssm_stash.shape[2], conv_state.shape[-1]
+    rows = (active & (na < K - 1)).nonzero()[:, 0]  # (R,) batch positions that rejected a draft
+    if rows.numel() == 0:
+        return
+    slots, n = slot_ids[rows], na[rows]
+    ssm_state[:, slots] = ssm_stash[:, rows, n]  # (L, R, H, P, N): the state after row na
+    cols = n[:, None] + 1 + torch.arange(Wm1, device=na.device)  # (R, W-1): the window after row na
     idx = cols[None, :, None, :].expand(conv_stash.shape[0], -1, conv_stash.shape[2], -1)
-    new_conv = conv_stash.gather(-1, idx)  # (L, B, C, W-1)
-    ssm_state[:, slot_ids] = torch.where(take[None, :, None, None, None], new_ssm, ssm_state[:, slot_ids])
-    conv_state[:, slot_ids] = torch.where(take[None, :, None, None], new_conv, conv_state[:, slot_ids])
+    conv_state[:, slots] = conv_stash[:, rows].gather(-1, idx)

@@ -64,12 +64,25 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(D, cfg.num_key_value_heads * Dh, bias=bias)
         self.o_proj = nn.Linear(cfg.num_attention_heads * Dh, D, bias=bias)
         self.Dh = Dh
+        self.sizes = (self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features)
+        # [q | k | v] stacked for one GEMM per call; built by fuse_qkv() after loading, never saved
+        self.register_buffer("qkv_weight", None, persistent=False)
+        self.register_buffer("qkv_bias", None, persistent=False)
+
+    def fuse_qkv(self):
+        """Stack the q/k/v weights once, for inference (training updates the separate projections)."""
+        self.qkv_weight = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]).detach()
+        if self.q_proj.bias is not None:
+            self.qkv_bias = torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]).detach()
 
     def qkv(self, x):
         """(..., D) -> q (..., Hq, Dh), k and v (..., Hkv, Dh)."""
         lead = x.shape[:-1]
-        return (self.q_proj(x).view(*lead, -1, self.Dh), self.k_proj(x).view(*lead, -1, self.Dh),
-                self.v_proj(x).view(*lead, -1, self.Dh))
+        if self.qkv_weight is not None:
+            q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split(self.sizes, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        return q.view(*lead, -1, self.Dh), k.view(*lead, -1, self.Dh), v.view(*lead, -1, self.Dh)
 
 
 class Mamba(nn.Module):
@@ -135,6 +148,13 @@ class HybridLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.mtp = MTPHead(cfg) if cfg.has_mtp else None
 
+    def fuse_qkv(self):
+        """One q/k/v GEMM per attention call, for inference; the weights on disk do not change."""
+        for m in self.modules():
+            if isinstance(m, Attention):
+                m.fuse_qkv()
+        return self
+
     # ---- pieces shared by every entry point ----------------------------------------------
     def embed(self, ids):
         return self.model.embed_tokens(ids) * self.cfg.embedding_multiplier
@@ -144,10 +164,11 @@ class HybridLM(nn.Module):
         w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(y, w) / self.cfg.logits_scaling
 
-    def _stack(self, h, layers, final_norm: Norm, mix):
+    def _stack(self, h, layers, final_norm: Norm | None, mix):
         """Run decoder layers over the residual stream h (..., D); mix(i, layer, y) is the mixer.
 
-        Each RMSNorm is fused with the residual add before it. Returns (final-normed y, residual h).
+        Each RMSNorm is fused with the residual add before it. Returns (final-normed y, residual h);
+        with final_norm None the last norm is skipped and y is None (the MTP head's callers want h).
         """
         eps, rm = self.cfg.rms_norm_eps, self.cfg.residual_multiplier
         y, h = self.ops.rmsnorm(h, layers[0].input_layernorm.weight, eps)
@@ -155,6 +176,8 @@ class HybridLM(nn.Module):
             out = mix(i, layer, y)
             y, h = self.ops.rmsnorm(out, layer.post_attention_layernorm.weight, eps, residual=h, multiplier=rm)
             nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else final_norm
+            if nxt is None:
+                return None, h + rm * layer.shared_mlp(y)  # the residual add rmsnorm would do, no norm
             y, h = self.ops.rmsnorm(layer.shared_mlp(y), nxt.weight, eps, residual=h, multiplier=rm)
         return y, h
 
@@ -265,7 +288,7 @@ class HybridLM(nn.Module):
         """No-cache reference over positions 0..T-1: next_ids (B, T), h (B, T, D) -> o (B, T, D)."""
         pos = torch.arange(next_ids.shape[1], device=next_ids.device)
         mix = lambda i, layer, y: self._attend_nocache(layer.self_attn, y, pos)  # noqa: E731
-        return self._stack(self._mtp_input(next_ids, h), [self.mtp.layer], self.mtp.norm, mix)[1]
+        return self._stack(self._mtp_input(next_ids, h), [self.mtp.layer], None, mix)[1]
 
     def mtp_prefill(self, next_ids, h, slot: int, cache: HybridCache):
         """Catch-up over a prompt's rows 0..T-1: next_ids (T,), h (T, D) -> o (T, D); writes MTP KV 0..T-1."""
@@ -277,7 +300,7 @@ class HybridLM(nn.Module):
                                            cfg.rope)
             return layer.self_attn.o_proj(o.flatten(-2))
 
-        return self._stack(self._mtp_input(next_ids, h), [self.mtp.layer], self.mtp.norm, mix)[1]
+        return self._stack(self._mtp_input(next_ids, h), [self.mtp.layer], None, mix)[1]
 
     def mtp_step(self, next_ids, h, slot_ids, positions, cache: HybridCache, kv_len: int | None = None):
         """R rows per sequence at MTP positions positions[b] + r: next_ids (B, R), h (B, R, D) -> o (B, R, D).
@@ -293,7 +316,7 @@ class HybridLM(nn.Module):
                                           cfg.attention_multiplier, cfg.rope)
             return layer.self_attn.o_proj(o.flatten(-2))
 
-        return self._stack(self._mtp_input(next_ids, h), [self.mtp.layer], self.mtp.norm, mix)[1]
+        return self._stack(self._mtp_input(next_ids, h), [self.mtp.layer], None, mix)[1]
 
     # ---- initialisation for models trained from scratch ----------------------------------------
     @torch.no_grad()

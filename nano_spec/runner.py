@@ -76,7 +76,7 @@ class Admission:
 
 class ModelRunner:
     def __init__(self, model: HybridLM, proposer, num_slots: int, max_seq_len: int):
-        self.model, self.proposer = model, proposer
+        self.model, self.proposer = model.fuse_qkv(), proposer
         self.cfg = model.cfg
         self.gamma = proposer.num_drafts
         self.K = self.gamma + 1
@@ -188,18 +188,21 @@ class ModelRunner:
 
     @torch.no_grad()
     def commit(self, step: Step, verdict: Verdict, active: list) -> tuple:
-        """Roll every Mamba layer of each active sequence back to its accepted prefix (docs/DESIGN.md §3):
-        one launch for all layers and sequences. Returns (per-row success, per-row error)."""
-        if self.K == 1:  # plain decoding: every step is a full accept, the commit a no-op
-            return list(active), [None] * len(active)
+        """Roll every Mamba layer of each active sequence that rejected a draft back to its accepted prefix
+        (docs/DESIGN.md §3): one launch for all layers and sequences. Returns (per-row success, error)."""
         B = step.slots.shape[0]
+        # the host knows na: a full accept (and every step of plain decoding) leaves the live state right
+        need = [a and r.na < self.K - 1 for a, r in zip(active, verdict.rows)]
+        if not any(need):
+            return [True] * B, [None] * B
 
         def commit_state(rows):
             mask = self._tensor([i in rows for i in range(B)], torch.bool)
             self.model.ops.commit_state(self.cache.ssm_state, self.cache.conv_state, self.cache.ssm_stash(B, self.K),
                                         self.cache.conv_stash(B, self.K), step.slots, verdict.na, mask)
 
-        return self._isolated(commit_state, active)
+        ok, errors = self._isolated(commit_state, need)
+        return [good or not n for good, n in zip(ok, need)], errors
 
     @torch.no_grad()
     def propose_first(self, seq, adm: Admission) -> bool:

@@ -149,6 +149,40 @@ def test_mamba_verify_k_rows_equal_k_single_steps(K, device):
     assert_unchanged("conv_stash new inputs", xBC.transpose(1, 2), conv_stash[:, :, W - 1:])
 
 
+def sequential_verify_ref(xBC, dt, conv_state, ssm_state, slots, conv_weight, conv_bias, dt_bias, A_log, D,
+                          ssm_stash, conv_stash, G, dt_limit=(0.0, INF)):
+    """The K rows one at a time through ssm_step_ref: the form mamba_verify_ref must equal bit for bit."""
+    from kernels.common import conv_silu_ref, mamba_dt_ref, split_xbc, ssm_step_ref
+
+    K, (H, P) = xBC.shape[1], ssm_state.shape[1:3]
+    window = torch.cat([conv_state[slots], xBC.transpose(1, 2)], dim=-1)
+    conv_stash.copy_(window)
+    x, B, Cm = split_xbc(conv_silu_ref(window, conv_weight, conv_bias), H, P, G)
+    dt, A = mamba_dt_ref(dt, dt_bias, dt_limit), -torch.exp(A_log.float())
+    state, ys = ssm_state[slots].float(), []
+    for j in range(K):
+        state, y = ssm_step_ref(state, x[:, j], B[:, j], Cm[:, j], dt[:, j], A, D)
+        ssm_stash[:, j] = state
+        ys.append(y)
+    ssm_state[slots], conv_state[slots] = state, window[:, :, K:]
+    return torch.stack(ys, dim=1)
+
+
+@pytest.mark.parametrize("shape", [(3, 4, 4, 12, 10, 2, 4), (1, 1, 2, 7, 5, 1, 3), (2, 5, 6, 20, 33, 3, 4)],
+                         ids=lambda s: "B{}-K{}-H{}-P{}-N{}-G{}-W{}".format(*s))
+def test_vectorized_verify_ref_is_bitwise_the_sequential_form(shape):
+    Bsz, K, H, P, N, G, W = shape
+    C = H * P + 2 * G * N
+    prm = make_layer(H, P, N, G, W)
+    xBC, dt = torch.randn(Bsz, K, C), torch.randn(Bsz, K, H)
+    conv_state, ssm_state = torch.randn(S, C, W - 1), torch.randn(S, H, P, N)
+    slots = slot_ids(Bsz)
+    vec = run_verify(mamba_verify_ref, xBC, dt, conv_state, ssm_state, slots, prm, G)
+    seq = run_verify(sequential_verify_ref, xBC, dt, conv_state, ssm_state, slots, prm, G)
+    for name, a, b in zip(("y", "conv_state", "ssm_state", "ssm_stash", "conv_stash"), seq, vec):
+        assert_unchanged(f"mamba_verify_ref {name} vs sequential", a, b)
+
+
 # ---------------------------------------------------------------- commit_state
 
 COMMIT_CASES = [
@@ -184,6 +218,27 @@ def test_commit_state_matches_ref(K, na, active, device):
         if active[b] and na[b] < K - 1:
             assert_unchanged(f"seq {b} ssm row", ssm_stash[:, b, na[b]], out[0][:, SLOTS[b]])
             assert_unchanged(f"seq {b} conv window", conv_stash[:, b, :, na[b] + 1:na[b] + W], out[1][:, SLOTS[b]])
+
+
+@pytest.mark.parametrize("K", [2, 4], ids=lambda k: f"K{k}")
+def test_skipping_full_accepts_equals_committing_them(K):
+    """After a verify the live state is the stash's last row, so a commit that skips full accepts (as
+    the engine does) leaves the same bits as copying row na = K-1 back for every sequence."""
+    Bsz, H, P, N, G, W = 3, 2, 12, 10, 1, 4
+    C = H * P + 2 * G * N
+    prm = make_layer(H, P, N, G, W)
+    xBC, dt = torch.randn(Bsz, K, C), torch.randn(Bsz, K, H)
+    y, conv_state, ssm_state, ssm_stash, conv_stash = run_verify(
+        mamba_verify_ref, xBC, dt, torch.randn(S, C, W - 1), torch.randn(S, H, P, N), slot_ids(Bsz), prm, G)
+    na = torch.tensor([K - 1, 0, K - 2])  # a full accept, a full rejection, one rejected draft
+    skipped = (ssm_state[None].clone(), conv_state[None].clone())
+    commit_state_ref(*skipped, ssm_stash[None], conv_stash[None], slot_ids(Bsz), na, torch.ones(Bsz, dtype=torch.bool))
+    copied = (ssm_state[None].clone(), conv_state[None].clone())
+    for b, n in enumerate(na.tolist()):  # naive: every sequence, full accepts included
+        copied[0][0, SLOTS[b]] = ssm_stash[b, n]
+        copied[1][0, SLOTS[b]] = conv_stash[b, :, n + 1:n + W]
+    assert_unchanged("ssm_state", copied[0], skipped[0])
+    assert_unchanged("conv_state", copied[1], skipped[1])
 
 
 @pytest.mark.parametrize("K", [3, 4], ids=lambda k: f"K{k}")
