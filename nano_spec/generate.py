@@ -32,7 +32,8 @@ def parse_args(argv):
     p.add_argument("--seed", type=int)
     p.add_argument("--backend", choices=["auto", "torch", "triton"], default="auto")
     p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default=None, help="float32 (default), bfloat16 or float16")
+    p.add_argument("--dtype", default=None,
+                   help="float32, bfloat16 or float16 (default: the stored dtype on CUDA, float32 on CPU)")
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--max-seq-len", type=int)
     p.add_argument("--logprobs", type=int, default=0, help="report each token's logprob and the top-N")
