@@ -192,9 +192,7 @@ class ModelRunner:
         (docs/DESIGN.md §3): one launch for all layers and sequences. Returns (per-row success, error)."""
         B = step.slots.shape[0]
         # the host knows na: a full accept (and every step of plain decoding) leaves the live state right
-        need = [a and r.na < self.K - 1 for a, r in zip(active, verdict.rows)]
-        if not any(need):
-            return [True] * B, [None] * B
+        need = [a and r.na < self.K - 1 for a, r in zip(active, verdict.rows)]  # none: _isolated launches nothing
 
         def commit_state(rows):
             mask = self._tensor([i in rows for i in range(B)], torch.bool)
