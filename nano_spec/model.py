@@ -194,6 +194,17 @@ class HybridLM(nn.Module):
         return self.ops.mamba_scan(xBC, dt, *m.scan_args(), cfg.mamba_n_groups, cfg.mamba_d_head,
                                    cfg.time_step_limit)
 
+    def _attend(self, attn: Attention, y, k_cache, v_cache, slot, seq_lens=None):
+        """Attention through a KV cache: one prompt y (T, D) into slot `slot` (seq_lens None), or
+        K rows y (B, K, D) per slot of slot ids (B,) at positions seq_lens[b] + j."""
+        q, k, v = attn.qkv(y)
+        args = (q, k, v, k_cache, v_cache, slot)
+        if seq_lens is None:
+            o = self.ops.attention_prefill(*args, self.cfg.attention_multiplier, self.cfg.rope)
+        else:
+            o = self.ops.attention_verify(*args, seq_lens, self.cfg.attention_multiplier, self.cfg.rope)
+        return attn.o_proj(o.flatten(-2))
+
     # ---- 1. the no-cache reference -----------------------------------------------------
     def forward(self, ids):
         """ids (B, T) -> logits (B, T, V)."""
@@ -225,8 +236,6 @@ class HybridLM(nn.Module):
     # ---- 2. prefill of one prompt into a slot ------------------------------------------------
     def prefill(self, ids, slot: int, cache: HybridCache):
         """ids (T,) from zero state into cache slot `slot` -> final-normed hidden (T, D)."""
-        cfg = self.cfg
-
         def mix(i, layer, y):  # y (T, D)
             if layer.kind == "mamba":
                 m = cache.mamba_index[i]
@@ -236,9 +245,7 @@ class HybridLM(nn.Module):
                 cache.conv_state[m, slot] = window
                 return self._mamba_out(layer.mamba, ys, z)
             a = cache.attn_index[i]
-            q, k, v = layer.self_attn.qkv(y)
-            o = self.ops.attention_prefill(q, k, v, cache.k[a], cache.v[a], slot, cfg.attention_multiplier, cfg.rope)
-            return layer.self_attn.o_proj(o.flatten(-2))
+            return self._attend(layer.self_attn, y, cache.k[a], cache.v[a], slot)
 
         return self._stack(self.embed(ids), self.model.layers, self.model.norm, mix)[0]
 
@@ -263,10 +270,7 @@ class HybridLM(nn.Module):
                                            cfg.mamba_n_groups, cfg.time_step_limit)  # (B, K, H, P)
                 return self._mamba_out(layer.mamba, ys, z)
             a = cache.attn_index[i]
-            q, k, v = layer.self_attn.qkv(y)
-            o = self.ops.attention_verify(q, k, v, cache.k[a, :, kv], cache.v[a, :, kv], slot_ids, seq_lens,
-                                          cfg.attention_multiplier, cfg.rope)
-            return layer.self_attn.o_proj(o.flatten(-2))
+            return self._attend(layer.self_attn, y, cache.k[a, :, kv], cache.v[a, :, kv], slot_ids, seq_lens)
 
         y = self._stack(self.embed(ids), self.model.layers, self.model.norm, mix)[0]
         cache.hidden_stash(B, K).copy_(y)
@@ -292,14 +296,7 @@ class HybridLM(nn.Module):
 
     def mtp_prefill(self, next_ids, h, slot: int, cache: HybridCache):
         """Catch-up over a prompt's rows 0..T-1: next_ids (T,), h (T, D) -> o (T, D); writes MTP KV 0..T-1."""
-        cfg = self.cfg
-
-        def mix(i, layer, y):
-            q, k, v = layer.self_attn.qkv(y)
-            o = self.ops.attention_prefill(q, k, v, cache.mtp_k, cache.mtp_v, slot, cfg.attention_multiplier,
-                                           cfg.rope)
-            return layer.self_attn.o_proj(o.flatten(-2))
-
+        mix = lambda i, layer, y: self._attend(layer.self_attn, y, cache.mtp_k, cache.mtp_v, slot)  # noqa: E731
         return self._stack(self._mtp_input(next_ids, h), [self.mtp.layer], None, mix)[1]
 
     def mtp_step(self, next_ids, h, slot_ids, positions, cache: HybridCache, kv_len: int | None = None):
@@ -307,15 +304,9 @@ class HybridLM(nn.Module):
 
         Catch-up after a verify (R = K) and each recursive draft step (R = 1).
         """
-        cfg = self.cfg
         kv = slice(None, kv_len)
-
-        def mix(i, layer, y):
-            q, k, v = layer.self_attn.qkv(y)
-            o = self.ops.attention_verify(q, k, v, cache.mtp_k[:, kv], cache.mtp_v[:, kv], slot_ids, positions,
-                                          cfg.attention_multiplier, cfg.rope)
-            return layer.self_attn.o_proj(o.flatten(-2))
-
+        mix = lambda i, layer, y: self._attend(layer.self_attn, y, cache.mtp_k[:, kv], cache.mtp_v[:, kv],  # noqa: E731
+                                               slot_ids, positions)
         return self._stack(self._mtp_input(next_ids, h), [self.mtp.layer], None, mix)[1]
 
     # ---- initialisation for models trained from scratch ----------------------------------------

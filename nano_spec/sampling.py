@@ -25,38 +25,30 @@ class SamplingParams:
     logprobs: int = 0             # 0: none; n >= 1: each token's logprob and the top-n alternatives
 
     def __post_init__(self):
-        def bad(field, why):
-            raise ValueError(f"SamplingParams.{field}: {why}, got {getattr(self, field)!r}")
-
-        def is_int(v) -> bool:  # bools are ints to Python, never to a user
-            return isinstance(v, int) and not isinstance(v, bool)
-
-        def is_number(v) -> bool:
-            return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-        if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
-            bad("max_new_tokens", "must be an integer >= 1")
-        if not is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
-            bad("temperature", "must be a finite number >= 0")
-        if not is_int(self.top_k) or self.top_k < 0:
-            bad("top_k", "must be an integer >= 0")
-        if not is_number(self.top_p) or not (0 < self.top_p <= 1):
-            bad("top_p", "must be a number in (0, 1]")
-        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**64):
-            bad("seed", "must be None or an integer in [0, 2**64)")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
-        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
-            bad("stop", "must be a string or a list of non-empty strings")
-        if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
-                is_int(t) and t >= 0 for t in self.stop_token_ids):
-            bad("stop_token_ids", "must be a list of token ids >= 0")
-        if not isinstance(self.ignore_eos, bool):
-            bad("ignore_eos", "must be True or False")
-        if not is_int(self.logprobs) or not (0 <= self.logprobs <= 20):
-            bad("logprobs", "must be an integer in [0, 20]")
+        num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731 (True is no number)
+        is_int = lambda v: num(v) and isinstance(v, int)  # noqa: E731
+        t, ids = self.temperature, self.stop_token_ids
+        rules = (  # field, valid, what it must be
+            ("max_new_tokens", is_int(self.max_new_tokens) and self.max_new_tokens >= 1, "an integer >= 1"),
+            ("temperature", num(t) and math.isfinite(t) and t >= 0, "a finite number >= 0"),
+            ("top_k", is_int(self.top_k) and self.top_k >= 0, "an integer >= 0"),
+            ("top_p", num(self.top_p) and 0 < self.top_p <= 1, "a number in (0, 1]"),
+            ("seed", self.seed is None or is_int(self.seed) and 0 <= self.seed < 2**64,
+             "None or an integer in [0, 2**64)"),
+            ("stop", isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) and s for s in self.stop),
+             "a string or a list of non-empty strings"),
+            ("stop_token_ids", isinstance(ids, (list, tuple)) and all(is_int(i) and i >= 0 for i in ids),
+             "a list of token ids >= 0"),
+            ("ignore_eos", isinstance(self.ignore_eos, bool), "True or False"),
+            ("logprobs", is_int(self.logprobs) and 0 <= self.logprobs <= 20, "an integer in [0, 20]"),
+        )
+        for name, valid, what in rules:
+            if not valid:
+                raise ValueError(f"SamplingParams.{name}: must be {what}, got {getattr(self, name)!r}")
         object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "stop_token_ids", tuple(ids))
 
     @property
     def greedy(self) -> bool:

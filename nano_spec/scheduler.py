@@ -111,7 +111,9 @@ class Scheduler:
         self.tel.begin_step()
         self._schedule(report)
         if self.running:
-            self._run_and_postprocess(report)
+            batch = list(self.running)
+            with self._ends_on_interrupt(batch):
+                self._run_batch(batch, report)
         report.phase_seconds = dict(self.tel.step_seconds)
         return report
 
@@ -130,8 +132,7 @@ class Scheduler:
         except Exception as e:  # a fault in one admission ends that request only
             seq.error, adm = f"prefill: {type(e).__name__}: {e}", None
         if adm is None or not adm.result.ok:
-            seq.error = seq.error or "non-finite logits"
-            seq.finish_reason = "error"
+            seq.error, seq.finish_reason = seq.error or "non-finite logits", "error"
             report.failed.append(seq.id)
         else:
             r = adm.result
@@ -161,11 +162,6 @@ class Scheduler:
             raise
 
     # ---- run + postprocess ----------------------------------------------------------------
-    def _run_and_postprocess(self, report: StepReport):
-        batch = list(self.running)
-        with self._ends_on_interrupt(batch):
-            self._run_batch(batch, report)
-
     def _run_batch(self, batch: list, report: StepReport):
         with self.tel.phase("verify"):
             step = self.runner.verify(batch)
@@ -173,12 +169,9 @@ class Scheduler:
             verdict = self.runner.verdict(step, batch)
         active = []
         for seq, r in zip(batch, verdict.rows):
+            emitted = self._apply(seq, r) if r.ok else []
             if not r.ok:  # non-finite logits: this sequence ends, the others go on
-                seq.error = "non-finite logits"
-                seq.finish_reason = "error"
-                emitted = []
-            else:
-                emitted = self._apply(seq, r)
+                seq.error, seq.finish_reason = "non-finite logits", "error"
             report.rows.append(StepRow(seq.id, r.drafts, r.na, emitted, seq.finish_reason))
             active.append(not seq.finished)
         with self.tel.phase("commit"):

@@ -12,6 +12,7 @@ waits for it (the verdict, which copies the accept counts to the host).
 """
 import time
 from collections import defaultdict
+from contextlib import contextmanager
 
 PHASES = ("prefill", "propose", "verify", "verdict", "commit")
 SEQ_LEN_BUCKETS = (0, 128, 512, 2048, 8192)  # lower edges
@@ -46,8 +47,13 @@ class Telemetry:
     def begin_step(self):
         self.step_seconds = {}
 
+    @contextmanager
     def phase(self, name: str):
-        return _Timer(self, name)
+        t0 = self.clock()
+        try:
+            yield
+        finally:
+            self.add_time(name, self.clock() - t0)
 
     def add_time(self, name: str, seconds: float):
         self.phase_seconds[name] += seconds
@@ -87,13 +93,3 @@ class Telemetry:
             "phase_histogram_ms": {"edges": list(HIST_EDGES_MS), **{p: list(c) for p, c in self.phase_counts.items()}},
         }
 
-
-class _Timer:
-    def __init__(self, tel: Telemetry, name: str):
-        self.tel, self.name = tel, name
-
-    def __enter__(self):
-        self.t0 = self.tel.clock()
-
-    def __exit__(self, *exc):
-        self.tel.add_time(self.name, self.tel.clock() - self.t0)
