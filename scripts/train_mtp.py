@@ -329,6 +329,25 @@ def parse_args(argv=None):
     return args
 
 
+def read_init_head(path: Path, cfg: ModelConfig) -> dict:
+    """--init-head: the mtp.* tensors (fp32, CPU) of a checkpoint whose head fits the base; ValueError naming the flag."""
+    try:
+        init = load_model(path, dtype=torch.float32)
+    except (ValueError, OSError) as e:  # CheckpointError and ConfigError are ValueErrors
+        raise ValueError(f"--init-head: {e}") from None
+    if init.mtp is None:
+        raise ValueError(f"--init-head: {path} has no MTP head (num_nextn_predict_layers: 0)")
+    with torch.device("meta"):
+        want = {n: tuple(t.shape) for n, t in MTPHead(dataclasses.replace(cfg, num_nextn_predict_layers=1))
+                .state_dict().items()}
+    state = init.mtp.state_dict()
+    have = {n: tuple(t.shape) for n, t in state.items()}
+    if have != want:
+        bad = sorted(n for n in set(want) | set(have) if have.get(n) != want.get(n))
+        raise ValueError(f"--init-head: {path}'s MTP head does not fit the base ({', '.join(f'mtp.{n}' for n in bad)})")
+    return state
+
+
 def main(argv=None) -> int:
     try:
         args = parse_args(argv)
@@ -340,14 +359,15 @@ def main(argv=None) -> int:
                              "a base without (remove the mtp.* tensors and set the field to 0 to retrain)")
         if not cfg.eos_ids:
             raise ValueError("eos_token_id: documents are joined by EOS, and the base config names none")
+        init_head = read_init_head(Path(args.init_head), cfg) if args.init_head else None
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    run(args, base, out, cfg)
+    run(args, base, out, cfg, init_head)
     return 0
 
 
-def run(args, base: Path, out: Path, cfg: ModelConfig):
+def run(args, base: Path, out: Path, cfg: ModelConfig, init_head: dict | None = None):
     t0 = time.time()
     log = lambda msg: print(f"[{time.time() - t0:7.1f}s] {msg}", file=sys.stderr, flush=True)  # noqa: E731
     threads = base_train.ThreadTuner((2, 1) if args.threads == "auto" else (int(args.threads),))
@@ -363,13 +383,9 @@ def run(args, base: Path, out: Path, cfg: ModelConfig):
     model.requires_grad_(False)
     model.ops.mamba_scan = functools.partial(ssd.mamba_scan_chunked, chunk_size=cfg.mamba_chunk_size)  # chunked SSD
     origin = attach_head(model, args.seed)
-    if args.init_head:
-        init = load_model(Path(args.init_head), device=device, dtype=torch.float32)
-        if init.mtp is None:
-            raise ValueError(f"--init-head: {args.init_head} has no MTP head")
-        model.mtp.load_state_dict(init.mtp.state_dict())
+    if init_head is not None:  # read and checked by main (read_init_head)
+        model.mtp.load_state_dict(init_head)
         origin = f"--init-head {args.init_head} (its mtp.* tensors)"
-        del init
     params = list(model.mtp.parameters())
     n_head, n_base = sum(p.numel() for p in params), sum(p.numel() for p in model.model.parameters())
     log(f"base {base}: {n_base / 1e6:.2f}M params, frozen; MTP head {n_head / 1e6:.2f}M params")

@@ -86,3 +86,29 @@ def test_refusals_name_the_problem(trained, tmp_path, capsys):
         assert script.main([str(a) for a in args]) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_init_head_refusals_are_one_line(tmp_path, capsys):
+    """--init-head that is missing, not a checkpoint, headless or of another shape: exit 2, one line naming the flag."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_mtp", ROOT / "scripts" / "train_mtp.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    base = tiny_checkpoint(tmp_path / "base", seed=3, num_nextn_predict_layers=0)
+    wide = tiny_checkpoint(tmp_path / "wide", seed=4, num_nextn_predict_layers=1, hidden_size=96)
+    (tmp_path / "corpus.txt").write_text(CORPUS)
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "notes.txt").write_text("not a checkpoint")
+    for init, message in [(tmp_path / "missing", "not a checkpoint directory"),
+                          (tmp_path / "junk", "no config.json"),
+                          (tmp_path / "junk" / "notes.txt", "not a checkpoint directory"),
+                          (base, "has no MTP head"),
+                          (wide, "does not fit the base")]:
+        argv = ["--base", base, "--out", tmp_path / "out", "--init-head", init, "--corpus", tmp_path / "corpus.txt",
+                "--steps", 1, "--seq-len", 16, "--batch", 2, "--threads", 1, "--eval-windows", 2, "--amp", "none"]
+        assert script.main([str(a) for a in argv]) == 2, init
+        err = capsys.readouterr().err
+        assert err.startswith("error: --init-head: ") and message in err, err
+        assert len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "out").exists()
