@@ -17,13 +17,18 @@ import time
 DEFAULT_PROMPT = 'class Stack:\n    """A last-in, first-out stack."""\n\n    def __init__(self):\n        self.'
 
 
+def gamma_arg(value: str):
+    return value if value == "auto" else int(value)
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m nano_spec.generate", description=__doc__.split("\n")[0])
     p.add_argument("--model", help="checkpoint directory (default: the weights shipped in weights/)")
     p.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     p.add_argument("--prompts-file", help="prompts, one per line, or JSONL with a 'prompt' field")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--num-drafts", type=int, default=3, help="γ, drafts per step")
+    p.add_argument("--num-drafts", type=gamma_arg, default="auto",
+                   help="γ, drafts per step, or auto: chosen per step from measured acceptance and cost")
     p.add_argument("--no-spec", action="store_true", help="plain decoding (γ = 0)")
     p.add_argument("--proposer", choices=["auto", "mtp", "ngram", "none"], default="auto")
     p.add_argument("--temperature", type=float, default=0.0)

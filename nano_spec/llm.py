@@ -10,6 +10,7 @@ from nano_spec.cache import cache_bytes
 from nano_spec.config import ModelConfig
 from nano_spec.model import HybridLM
 from nano_spec.ops import resolve_backend
+from nano_spec.planner import DraftPlanner
 from nano_spec.proposers import make_proposer
 from nano_spec.runner import ModelRunner
 from nano_spec.sampling import SamplingParams
@@ -129,10 +130,11 @@ class Output:
 
 class LLM:
     def __init__(self, model=None, backend: str = "auto", device: str = "auto", dtype=None, max_batch: int = 8,
-                 num_drafts: int = 3, proposer="auto", max_seq_len: int | None = None,
+                 num_drafts: int | str = "auto", proposer="auto", max_seq_len: int | None = None,
                  memory_budget: int | None = None, clock=time.perf_counter, on_step=None):
         """proposer: "auto", "mtp", "ngram", "none", or an object with num_drafts, first() and next()
-        (nano_spec/proposers.py). on_step: called with a StepReport after every engine step."""
+        (nano_spec/proposers.py). num_drafts: γ, or "auto": γ chosen per step (nano_spec/planner.py).
+        on_step: called with a StepReport after every engine step."""
         if model is not None and not isinstance(model, (str, os.PathLike)):
             raise ValueError(f"model: expected a checkpoint directory path, got {type(model).__name__}")
         path = Path(model) if model is not None else shipped_weights()
@@ -172,7 +174,10 @@ class LLM:
         self.max_seq_len = max_seq_len
         self.telemetry = Telemetry(self.proposer.num_drafts, clock)
         self.runner = ModelRunner(self.model, self.proposer, max_batch, max_seq_len)
-        self.scheduler = Scheduler(self.runner, self.tokenizer, max_batch, max_seq_len, self.telemetry)
+        # the prior cost of a draft, relative to a plain step: extra verify rows are far from free on a CPU
+        self.planner = (DraftPlanner(self.proposer.num_drafts, prior_slope=0.1 if device.type == "cuda" else 0.4)
+                        if num_drafts == "auto" and self.proposer.num_drafts else None)
+        self.scheduler = Scheduler(self.runner, self.tokenizer, max_batch, max_seq_len, self.telemetry, self.planner)
         self.on_step = on_step
 
     def _step(self):
@@ -243,8 +248,8 @@ class LLM:
     @property
     def stats(self) -> dict:
         """Telemetry since the engine started (metrics of docs/DESIGN.md §7), and the memory settings."""
-        return {**self.telemetry.summary(), "max_seq_len": self.max_seq_len, "memory_bytes": self.cache_bytes,
-                "memory_budget": self.memory_budget}
+        return {**self.telemetry.summary(), **(self.planner.summary() if self.planner else {}),
+                "max_seq_len": self.max_seq_len, "memory_bytes": self.cache_bytes, "memory_budget": self.memory_budget}
 
 
 class Stream:

@@ -2,15 +2,15 @@
 
 A proposer is any object with
 
-    num_drafts                                            γ, drafts per step (K = γ + 1 verified rows)
-    first(model, cache, seq, hidden, first, sampling, uniforms) -> Drafts
-        drafts for a newly admitted sequence; hidden (T, D) are its prompt rows, first (1,) its first token
-    next(model, cache, seqs, step, verdict, uniforms) -> Drafts
-        drafts after a verify, for the sequences seqs (row i of step and verdict is seqs[i])
+    num_drafts                                            γ_max, the most drafts a step asks for
+    first(model, cache, seq, hidden, first, sampling, uniforms, gamma) -> Drafts
+        γ drafts for a newly admitted sequence; hidden (T, D) are its prompt rows, first (1,) its first token
+    next(model, cache, seqs, step, verdict, uniforms, gamma) -> Drafts
+        γ drafts after a verify, for the sequences seqs (row i of step and verdict is seqs[i])
 
 It returns its drafts and never writes engine state; `uniforms` (R, γ) is its own
-random draw (None when every row is greedy). `LLM(proposer=...)` takes a name or
-such an object.
+random draw (None when every row is greedy). γ <= γ_max is fixed or chosen per step
+(planner.py). `LLM(proposer=...)` takes a name or such an object.
 
 `none`  plain decoding (γ = 0).
 `ngram` prompt lookup: the continuation of the latest earlier occurrence of the
@@ -57,54 +57,58 @@ class NgramProposer:
     def __init__(self, num_drafts: int, max_n: int = 3):
         self.num_drafts, self.max_n = num_drafts, max_n
 
-    def first(self, model, cache, seq, hidden, first, sampling, uniforms) -> Drafts:
-        return self.next(model, cache, [seq], None, None, uniforms)
+    def first(self, model, cache, seq, hidden, first, sampling, uniforms, gamma) -> Drafts:
+        return self.next(model, cache, [seq], None, None, uniforms, gamma)
 
-    def next(self, model, cache, seqs, step, verdict, uniforms) -> Drafts:
-        return Drafts.from_lists([ngram_lookup(s.tokens, self.num_drafts, self.max_n) for s in seqs],
-                                 self.num_drafts, next(model.parameters()).device)
+    def next(self, model, cache, seqs, step, verdict, uniforms, gamma) -> Drafts:
+        return Drafts.from_lists([ngram_lookup(s.tokens, gamma, self.max_n) for s in seqs], gamma,
+                                 next(model.parameters()).device)
 
 
 class MTPProposer:
     def __init__(self, num_drafts: int):
         self.num_drafts = num_drafts
 
-    def first(self, model, cache, seq, hidden, first, sampling, uniforms) -> Drafts:
+    def first(self, model, cache, seq, hidden, first, sampling, uniforms, gamma) -> Drafts:
         """Catch-up over the prompt rows 0..T-1 (next tokens x_1..x_{T-1}, v), then draft."""
         T, device = hidden.shape[0], hidden.device
         next_ids = torch.cat([torch.tensor(seq.tokens[1:T], dtype=torch.long, device=device), first])  # (T,)
         o = model.mtp_prefill(next_ids, hidden, seq.slot, cache)  # (T, D)
         slots = torch.tensor([seq.slot], device=device)
         pos = torch.tensor([T], device=device)
-        return self._draft(model, cache, slots, o[-1:], pos, sampling, uniforms, kv_len=T + self.num_drafts)
+        return self._draft(model, cache, slots, o[-1:], pos, sampling, uniforms, gamma, kv_len=T + gamma)
 
-    def next(self, model, cache, seqs, step, verdict, uniforms) -> Drafts:
+    def next(self, model, cache, seqs, step, verdict, uniforms, gamma) -> Drafts:
         """Catch-up over the K verified rows at MTP positions seq_len.., next tokens = the emitted row;
         rows past na are computed but lie beyond the new frontier and are overwritten later."""
         o = model.mtp_step(verdict.emitted, step.hidden, step.slots, step.seq_lens, cache, step.kv_len)  # (R, K, D)
         seed = model.ops.gather_rows(o, verdict.na)  # (R, D): the row of the last accepted position
         return self._draft(model, cache, step.slots, seed, step.seq_lens + verdict.na + 1, step.sampling, uniforms,
-                           step.kv_len)
+                           gamma, step.kv_len)
 
-    def _draft(self, model, cache, slots, o, pos, sampling, uniforms, kv_len) -> Drafts:
+    def _draft(self, model, cache, slots, o, pos, sampling, uniforms, gamma, kv_len) -> Drafts:
         """o (R, D): the MTP output at position pos-1 -> γ drafts.
 
         Step i > 1 feeds the previous draft and the previous MTP output at position pos + i - 2.
         """
         drafts, probs = [], []
-        for i in range(self.num_drafts):
+        for i in range(gamma):
             tok, q = sampling.pick(model.mtp_logits(o), None if uniforms is None else uniforms[:, i])
             drafts.append(tok)
             probs.append(q)
-            if i + 1 < self.num_drafts:
+            if i + 1 < gamma:
                 o = model.mtp_step(tok[:, None], o[:, None], slots, pos + i, cache, kv_len)[:, 0]
-        num = torch.full_like(slots, self.num_drafts)
+        num = torch.full_like(slots, gamma)
         return Drafts(torch.stack(drafts, dim=1), num, None if sampling.all_greedy else torch.stack(probs, dim=1))
 
 
-def make_proposer(proposer, num_drafts: int, has_mtp: bool):
+AUTO_MAX_DRAFTS = 4  # γ_max under num_drafts="auto"; each extra draft also costs stash memory per slot
+
+
+def make_proposer(proposer, num_drafts, has_mtp: bool):
     """proposer: a name in {auto, mtp, ngram, none} (auto = mtp when the checkpoint has an MTP head, else
-    ngram), or an object with num_drafts, first() and next() (see the module docstring)."""
+    ngram), or an object with num_drafts, first() and next() (see the module docstring).
+    num_drafts: γ, or "auto" (γ_max = AUTO_MAX_DRAFTS; the planner picks γ per step)."""
     if not isinstance(proposer, str):
         n = getattr(proposer, "num_drafts", None)
         if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= 16:
@@ -114,8 +118,10 @@ def make_proposer(proposer, num_drafts: int, has_mtp: bool):
         return proposer
     if proposer not in ("auto", "mtp", "ngram", "none"):
         raise ValueError(f"proposer: {proposer!r} is not one of auto, mtp, ngram, none")
+    if num_drafts == "auto":
+        num_drafts = AUTO_MAX_DRAFTS
     if isinstance(num_drafts, bool) or not isinstance(num_drafts, int) or not 0 <= num_drafts <= 16:
-        raise ValueError(f"num_drafts: {num_drafts!r} must be an integer in [0, 16]")
+        raise ValueError(f"num_drafts: {num_drafts!r} must be 'auto' or an integer in [0, 16]")
     if proposer == "none" or num_drafts == 0:
         return NoProposer()
     if proposer == "auto":

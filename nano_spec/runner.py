@@ -4,11 +4,12 @@ The scheduler hands it host-side sequences (slot, tokens, params) and gets back
 host lists. Per slot it keeps the drafts proposed for the next verify (and their
 distributions when sampling) and the request's random generator.
 
-One speculative step, as the scheduler drives it (docs/DESIGN.md §4):
-    step    = verify(seqs)                     rows [last_token | drafts] -> logits (B, K, V), stashes written
+One speculative step, as the scheduler drives it (docs/DESIGN.md §4), with γ drafts per sequence
+(fixed, or chosen per step by the planner; K = γ + 1 rows):
+    step    = verify(seqs, γ)                  rows [last_token | drafts] -> logits (B, K, V), stashes written
     verdict = verdict(step, seqs)              accept counts and emitted tokens; the step's one device-to-host copy
     commit(step, verdict, active)              Mamba states rolled back to the accepted prefix (one launch)
-    propose(seqs, step, verdict, active)       the proposer drafts the next rows
+    propose(seqs, step, verdict, active, γ')   the proposer drafts the next step's γ' rows
 A `Step` and a `Verdict` are complete when made and are passed along, never parked here.
 """
 from dataclasses import dataclass, fields
@@ -78,7 +79,7 @@ class ModelRunner:
     def __init__(self, model: HybridLM, proposer, num_slots: int, max_seq_len: int):
         self.model, self.proposer = model.fuse_qkv(), proposer
         self.cfg = model.cfg
-        self.gamma = proposer.num_drafts
+        self.gamma = proposer.num_drafts  # γ_max: drafts kept per slot; a step verifies γ <= γ_max of them
         self.K = self.gamma + 1
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
@@ -121,25 +122,25 @@ class ModelRunner:
 
     # ---- 2. verify, then verdict ----------------------------------------------------------
     @torch.no_grad()
-    def verify(self, seqs) -> Step:
-        """One batched forward over rows [last_token | drafts] of every sequence (B, K)."""
-        B, K = len(seqs), self.K
+    def verify(self, seqs, gamma: int) -> Step:
+        """One batched forward over rows [last_token | first γ drafts] of every sequence (B, K = γ + 1)."""
+        B, K = len(seqs), gamma + 1
         slots = self._tensor([s.slot for s in seqs])
         seq_lens = self._tensor([s.seq_len for s in seqs])
         last = self._tensor([s.tokens[-1] for s in seqs])
-        drafts = self.drafts[slots]  # (B, γ)
+        drafts = self.drafts[slots, :gamma]  # (B, γ)
         rows = torch.cat([last[:, None], drafts], dim=1)  # (B, K)
         kv_len = max(s.seq_len for s in seqs) + K + self.gamma
         logits = self.model.verify(rows, slots, seq_lens, self.cache, kv_len)  # (B, K, V)
         sampling = BatchSampling.of([s.params for s in seqs], self.device)
-        draft_probs = None if sampling.all_greedy else self._draft_probs()[slots]
-        return Step(slots, seq_lens, drafts, self.num_drafts[slots], draft_probs, sampling, kv_len, logits,
-                    self.cache.hidden_stash(B, K))
+        draft_probs = None if sampling.all_greedy else self._draft_probs()[slots, :gamma]
+        return Step(slots, seq_lens, drafts, self.num_drafts[slots].clamp(max=gamma), draft_probs, sampling, kv_len,
+                    logits, self.cache.hidden_stash(B, K))
 
     @torch.no_grad()
     def verdict(self, step: Step, seqs) -> Verdict:
         """Accept counts and emitted tokens of the verified rows, judged on the device, copied once."""
-        u = None if step.sampling.all_greedy else self._uniforms(seqs, self.K)  # draw "verdict"
+        u = None if step.sampling.all_greedy else self._uniforms(seqs, step.logits.shape[1])  # draw "verdict"
         na, emitted = verdict(self.model.ops, step.logits, step.drafts, step.num_drafts, step.sampling,
                               step.draft_probs, u)
         return Verdict(na, emitted, self._host_results(step.logits, emitted, na, step.drafts, step.num_drafts, seqs))
@@ -190,27 +191,28 @@ class ModelRunner:
     def commit(self, step: Step, verdict: Verdict, active: list) -> tuple:
         """Roll every Mamba layer of each active sequence that rejected a draft back to its accepted prefix
         (docs/DESIGN.md §3): one launch for all layers and sequences. Returns (per-row success, error)."""
-        B = step.slots.shape[0]
+        B, K = step.logits.shape[:2]
         # the host knows na: a full accept (and every step of plain decoding) leaves the live state right
-        need = [a and r.na < self.K - 1 for a, r in zip(active, verdict.rows)]  # none: _isolated launches nothing
+        need = [a and r.na < K - 1 for a, r in zip(active, verdict.rows)]  # none: _isolated launches nothing
 
         def commit_state(rows):
             mask = self._tensor([i in rows for i in range(B)], torch.bool)
-            self.model.ops.commit_state(self.cache.ssm_state, self.cache.conv_state, self.cache.ssm_stash(B, self.K),
-                                        self.cache.conv_stash(B, self.K), step.slots, verdict.na, mask)
+            self.model.ops.commit_state(self.cache.ssm_state, self.cache.conv_state, self.cache.ssm_stash(B, K),
+                                        self.cache.conv_stash(B, K), step.slots, verdict.na, mask)
 
         ok, errors = self._isolated(commit_state, need)
         return [good or not n for good, n in zip(ok, need)], errors
 
     @torch.no_grad()
-    def propose_first(self, seq, adm: Admission) -> bool:
-        """Drafts for a newly admitted sequence. False: drafting failed, the sequence goes on without drafts."""
-        if not self.gamma:
+    def propose_first(self, seq, adm: Admission, gamma: int) -> bool:
+        """γ drafts for a newly admitted sequence. False: drafting failed, it goes on without drafts."""
+        if not gamma:  # the next verify reads no drafts
             return True
-        u = None if adm.sampling.all_greedy else self._uniforms([seq], self.gamma)  # draw "drafts"
+        u = None if adm.sampling.all_greedy else self._uniforms([seq], gamma)  # draw "drafts"
 
         def propose(rows):
-            self._store([seq], self.proposer.first(self.model, self.cache, seq, adm.hidden, adm.first, adm.sampling, u))
+            self._store([seq], self.proposer.first(self.model, self.cache, seq, adm.hidden, adm.first, adm.sampling,
+                                                   u, gamma))
 
         ok = self._isolated(propose, [True])[0][0]
         if not ok:
@@ -218,19 +220,19 @@ class ModelRunner:
         return ok
 
     @torch.no_grad()
-    def propose(self, seqs, step: Step, verdict: Verdict, active: list) -> list:
-        """Drafts for the next step of the sequences still running. Returns per-row success; a row whose
+    def propose(self, seqs, step: Step, verdict: Verdict, active: list, gamma: int) -> list:
+        """γ drafts for the next step of the sequences still running. Returns per-row success; a row whose
         drafting failed goes on without drafts (its next verify has nd = 0)."""
-        if not self.gamma:
+        if not gamma:
             return list(active)
         live = [i for i, a in enumerate(active) if a]
-        u = None if step.sampling.all_greedy or not live else self._uniforms([seqs[i] for i in live], self.gamma)
+        u = None if step.sampling.all_greedy or not live else self._uniforms([seqs[i] for i in live], gamma)
 
         def propose(rows):  # rows index the batch; u was drawn once, so a retry sees the same numbers
             idx = self._tensor(rows)
             sub = [seqs[i] for i in rows]
             drafts = self.proposer.next(self.model, self.cache, sub, step.select(idx), verdict.select(rows, idx),
-                                        None if u is None else u[[live.index(i) for i in rows]])
+                                        None if u is None else u[[live.index(i) for i in rows]], gamma)
             self._store(sub, drafts)
 
         ok = self._isolated(propose, active)[0]
@@ -245,14 +247,15 @@ class ModelRunner:
         if drafts is None:
             self.num_drafts[slots] = 0
             return
-        if drafts.tokens.shape != (len(seqs), self.gamma) or drafts.num.shape != (len(seqs),):
+        R, g = drafts.tokens.shape
+        if R != len(seqs) or g > self.gamma or drafts.num.shape != (R,):
             raise ValueError(f"proposer returned drafts of shape {tuple(drafts.tokens.shape)} for "
-                             f"{len(seqs)} sequences and γ = {self.gamma}")
-        self.drafts[slots] = drafts.tokens
-        self.num_drafts[slots] = drafts.num.clamp(0, self.gamma)
+                             f"{len(seqs)} sequences and γ <= {self.gamma}")
+        self.drafts[slots, :g] = drafts.tokens
+        self.num_drafts[slots] = drafts.num.clamp(0, g)
         if any(not s.params.greedy for s in seqs):
             q = drafts.probs
             if q is None:  # a deterministic draft has q = one-hot
-                q = torch.zeros(len(seqs), self.gamma, self.cfg.vocab_size, device=self.device)
+                q = torch.zeros(R, g, self.cfg.vocab_size, device=self.device)
                 q.scatter_(-1, drafts.tokens[..., None], 1.0)
-            self._draft_probs()[slots] = q
+            self._draft_probs()[slots, :g] = q

@@ -75,9 +75,10 @@ class StepReport:
 
 
 class Scheduler:
-    def __init__(self, runner, tokenizer, max_batch: int, max_seq_len: int, telemetry):
-        self.runner, self.tok, self.tel = runner, tokenizer, telemetry
+    def __init__(self, runner, tokenizer, max_batch: int, max_seq_len: int, telemetry, planner=None):
+        self.runner, self.tok, self.tel, self.planner = runner, tokenizer, telemetry, planner
         self.max_seq_len = max_seq_len
+        self.gamma = runner.gamma  # drafts of the coming verify: fixed, or the planner's choice
         self.free_slots = list(range(max_batch))
         self.waiting = deque()
         self.running = []
@@ -119,6 +120,8 @@ class Scheduler:
 
     # ---- schedule -------------------------------------------------------------------
     def _schedule(self, report: StepReport):
+        if self.planner and not self.running and self.waiting:  # a new batch: no drafts are pending yet
+            self.gamma = self.planner.choose(min(len(self.waiting), len(self.free_slots)))
         while self.waiting and self.free_slots:
             seq = self.waiting.popleft()
             seq.slot = self.free_slots.pop(0)
@@ -140,7 +143,7 @@ class Scheduler:
             report.admitted.append((seq.id, r.tokens[0]))
         if not seq.finished:
             with self.tel.phase("propose"):
-                if not self.runner.propose_first(seq, adm):
+                if not self.runner.propose_first(seq, adm, self.gamma):
                     self.tel.propose_failures += 1
         if seq.finished:
             self._release(seq)
@@ -163,8 +166,9 @@ class Scheduler:
 
     # ---- run + postprocess ----------------------------------------------------------------
     def _run_batch(self, batch: list, report: StepReport):
+        gamma = self.gamma
         with self.tel.phase("verify"):
-            step = self.runner.verify(batch)
+            step = self.runner.verify(batch, gamma)
         with self.tel.phase("verdict"):
             verdict = self.runner.verdict(step, batch)
         active = []
@@ -180,10 +184,17 @@ class Scheduler:
             if a and not good:  # a failed commit leaves a state nobody can trust: that sequence ends
                 seq.error, seq.finish_reason = err, "error"
         active = [a and good for a, good in zip(active, ok)]
+        if self.planner:  # this step's cost and acceptance in, the next step's γ out
+            secs = sum(self.tel.step_seconds.get(p, 0.0) for p in ("verify", "verdict", "commit"))
+            self.planner.observe_step(len(batch), gamma, secs, [(r.na, len(r.drafts)) for r in verdict.rows if r.ok])
+            self.gamma = self.planner.choose(sum(active))
         if any(active):
+            before = self.tel.step_seconds.get("propose", 0.0)
             with self.tel.phase("propose"):
-                ok = self.runner.propose(batch, step, verdict, active)
+                ok = self.runner.propose(batch, step, verdict, active, self.gamma)
             self.tel.propose_failures += sum(a and not good for a, good in zip(active, ok))
+            if self.planner:
+                self.planner.observe_propose(self.gamma, self.tel.step_seconds["propose"] - before)
         for seq in batch:
             if seq.finished:
                 self._release(seq)

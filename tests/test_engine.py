@@ -28,16 +28,16 @@ class OracleProposer:
         self.num_drafts, self.ref, self.p_wrong = num_drafts, reference, p_wrong
         self.rng = random.Random(seed)
 
-    def _drafts(self, seq):
+    def _drafts(self, seq, gamma):
         full = self.ref[tuple(seq.tokens[: seq.prompt_len])]
-        cont = full[len(seq.tokens) : len(seq.tokens) + self.num_drafts]
+        cont = full[len(seq.tokens) : len(seq.tokens) + gamma]
         return [t if self.rng.random() > self.p_wrong else (t + 1) % 300 for t in cont]
 
-    def first(self, model, cache, seq, hidden, first, sampling, uniforms):
-        return self.next(model, cache, [seq], None, None, uniforms)
+    def first(self, model, cache, seq, hidden, first, sampling, uniforms, gamma):
+        return self.next(model, cache, [seq], None, None, uniforms, gamma)
 
-    def next(self, model, cache, seqs, step, verdict, uniforms):
-        return Drafts.from_lists([self._drafts(s) for s in seqs], self.num_drafts, "cpu")
+    def next(self, model, cache, seqs, step, verdict, uniforms, gamma):
+        return Drafts.from_lists([self._drafts(s, gamma) for s in seqs], gamma, "cpu")
 
 
 def run(ckpt, proposer="none", gamma=0, max_batch=3, prompts=PROMPTS, params=None, oracle=None, **kw):

@@ -69,7 +69,7 @@ BAD_ENGINES = {
     "max-seq-len": (dict(max_seq_len=1), "max_seq_len"),
     "backend": (dict(backend="cuda-magic"), "backend"),
     "dtype": (dict(dtype="int8"), "dtype"),
-    "memory": (dict(max_seq_len=10**6, max_batch=512), "memory: max_batch=512, max_seq_len=1000000, K=4 need"),
+    "memory": (dict(max_seq_len=10**6, max_batch=512), "memory: max_batch=512, max_seq_len=1000000, K=5 need"),
     "memory-budget": (dict(memory_budget=1000), "but the budget is 1000 B"),
 }
 

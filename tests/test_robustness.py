@@ -296,8 +296,8 @@ def test_memory_budget_counts_the_weights(ckpt):
     weights = weight_bytes(cfg, torch.float32)
     assert weights == 4 * sum(p.numel() for p in LLM(ckpt, max_seq_len=64).model.parameters())
     with pytest.raises(ValueError, match="weights"):
-        LLM(ckpt, max_batch=1, max_seq_len=64, memory_budget=caches + weights // 2)
-    LLM(ckpt, max_batch=1, max_seq_len=64, memory_budget=caches + weights + 1)
+        LLM(ckpt, max_batch=1, max_seq_len=64, num_drafts=3, memory_budget=caches + weights // 2)
+    LLM(ckpt, max_batch=1, max_seq_len=64, num_drafts=3, memory_budget=caches + weights + 1)
 
 
 # ---- 12. stop strings and streams decode incrementally --------------------------------------------

@@ -1,0 +1,122 @@
+"""Adaptive draft length (`num_drafts="auto"`): each step picks γ_eff in [0, γ_max] for the batch.
+
+Speculation pays when the tokens a step yields grow faster than its cost. Both are measured
+online (docs/DESIGN.md §7):
+
+    a_j      conditional acceptance: P(draft j accepted | drafts 1..j-1 were), decayed counts
+    E(γ)   = 1 + Σ_{i≤γ} Π_{j≤i} a_j            expected tokens of a step with γ drafts
+    t_B(γ)   seconds of a step at batch size B with γ drafts (verify + verdict + commit, plus the
+             propose that drafted them): t_B(0) a decayed mean of plain steps, t_B(γ ≥ 1) a line
+             c0 + c1 γ fitted by decayed least squares (a prior slope until two γ are measured)
+    γ_eff  = argmax_γ E(γ) / t_B(γ)             predicted speedup = E(γ_eff) t_B(0) / t_B(γ_eff)
+
+Every PROBE-th step tries a neighbour of the best γ instead (and, in turn, γ = 0), so the costs
+around the choice stay measured. Output does not depend on γ: every choice is lossless.
+Plain host arithmetic; no tensors.
+"""
+from collections import Counter
+
+PROBE = 6                    # one step in PROBE tries a neighbour (γ*-1, γ*+1, then 0, in turn)
+PRIOR_ACCEPT = (0.8, 0.75)   # a_1, then a_j for j > 1, as PRIOR_WEIGHT pseudo-trials
+PRIOR_WEIGHT = 4.0
+
+
+class Decayed:
+    """A mean that forgets: after n observations it is exact, later ones weigh `keep`^age."""
+
+    def __init__(self, keep: float):
+        self.keep, self.w, self.mean = keep, 0.0, 0.0
+
+    def add(self, x: float):
+        self.w = self.keep * self.w + 1.0
+        self.mean += (x - self.mean) / self.w
+
+
+class DraftPlanner:
+    def __init__(self, max_drafts: int, prior_slope: float = 0.4, keep_cost: float = 0.9,
+                 keep_accept: float = 0.98):
+        """prior_slope: c1 / c0, the cost of a draft relative to a step, until two γ are measured
+        (CPU ~0.4: extra verify rows are not free there; a GPU is closer to 0.1)."""
+        self.max_drafts, self.prior_slope, self.keep_cost = max_drafts, prior_slope, keep_cost
+        self.keep_accept = keep_accept
+        self.trials = [PRIOR_WEIGHT] * max_drafts
+        self.hits = [PRIOR_WEIGHT * (PRIOR_ACCEPT[0] if j == 0 else PRIOR_ACCEPT[1]) for j in range(max_drafts)]
+        self.plain = {}                  # B -> Decayed seconds of a γ = 0 step
+        self.line = {}                   # B -> decayed [Σw, Σwγ, Σwγ², Σwt, Σwγt] of γ >= 1 steps
+        self.pending = {}                # γ -> propose seconds that drafted the coming verify
+        self.steps, self.hist = 0, Counter()
+        self.pred_time = self.pred_weighted = 0.0
+
+    # ---- the model -----------------------------------------------------------------------
+    def accept(self) -> list:
+        return [h / t for h, t in zip(self.hits, self.trials)]
+
+    def expected_tokens(self, gamma: int) -> float:
+        e, p = 1.0, 1.0
+        for a in self.accept()[:gamma]:
+            p *= a
+            e += p
+        return e
+
+    def step_cost(self, B: int, gamma: int) -> float:
+        """t_B(γ) in seconds (relative while nothing at B was measured)."""
+        plain = self.plain.get(B)
+        if gamma == 0 and plain is not None:
+            return plain.mean
+        w, sg, sgg, st, sgt = self.line.get(B, (0.0,) * 5)
+        var = sgg / w - (sg / w) ** 2 if w else 0.0
+        if w and var * w >= 1.0:  # enough spread in γ: the fitted line
+            c1 = max((sgt / w - sg / w * st / w) / var, 0.0)
+            c0 = st / w - c1 * sg / w
+            if c0 > 0:
+                return c0 + c1 * gamma
+        if w:  # one γ measured: the prior slope through its mean
+            c0 = st / w / (1 + self.prior_slope * sg / w)
+        else:
+            c0 = plain.mean if plain is not None else 1.0
+        return c0 * (1 + self.prior_slope * gamma)
+
+    def speedups(self, B: int) -> list:
+        """Predicted throughput of γ = 0..γ_max relative to plain decoding, at batch size B."""
+        t0 = self.step_cost(B, 0)
+        return [self.expected_tokens(g) * t0 / self.step_cost(B, g) for g in range(self.max_drafts + 1)]
+
+    # ---- the loop's calls ----------------------------------------------------------------
+    def choose(self, B: int) -> int:
+        """γ_eff for the next step of a batch of B sequences."""
+        s = self.speedups(B)
+        best = max(range(len(s)), key=s.__getitem__)
+        self.steps += 1
+        if self.steps % PROBE == 0:
+            turn = (self.steps // PROBE) % 3
+            best = min(max(0, best - 1 if turn == 0 else best + 1 if turn == 1 else 0), self.max_drafts)
+        return best
+
+    def observe_propose(self, gamma: int, seconds: float):
+        self.pending = {gamma: seconds}
+
+    def observe_step(self, B: int, gamma: int, seconds: float, results: list):
+        """A verify step at γ: its seconds (verify + verdict + commit) and (na, nd) per sequence."""
+        seconds += self.pending.pop(gamma, 0.0)
+        if B in self.plain or B in self.line:  # a stall of the machine is not the step's cost
+            seconds = min(seconds, 3 * self.step_cost(B, gamma))
+        if gamma == 0:
+            self.plain.setdefault(B, Decayed(self.keep_cost)).add(seconds)
+        else:
+            k = self.keep_cost
+            self.line[B] = [k * a + b for a, b in zip(self.line.get(B, (0.0,) * 5),
+                                                      (1.0, gamma, gamma * gamma, seconds, gamma * seconds))]
+        self.hist[gamma] += 1
+        self.pred_time += seconds
+        self.pred_weighted += self.speedups(B)[gamma] * seconds
+        k = self.keep_accept
+        self.trials = [k * t for t in self.trials]
+        self.hits = [k * h for h in self.hits]
+        for na, nd in results:  # draft j was tried when drafts 1..j-1 were accepted
+            for j in range(min(na + 1, nd)):
+                self.trials[j] += 1
+                self.hits[j] += j < na
+
+    def summary(self) -> dict:
+        return {"gamma_hist": dict(sorted(self.hist.items())), "accept_cond": self.accept(),
+                "predicted_speedup": self.pred_weighted / self.pred_time if self.pred_time else None}
