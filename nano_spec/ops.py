@@ -3,7 +3,8 @@
 Each file in `kernels/` defines `<name>_ref` (plain torch) and `<name>` (the
 Triton launcher) with the same signature. `Ops("torch")` binds the references,
 `Ops("triton")` the launchers; `"auto"` is triton on CUDA (when triton is installed)
-and torch elsewhere.
+and torch elsewhere. One exception: the torch backend's prefill scan runs prompts of
+CHUNKED_FROM tokens or more as chunked SSD matmuls (ssd.py), not a Python loop over T.
 
 Triton is optional: without it (macOS, Windows) the kernel modules still import
 (kernels.common stands in for triton), so the torch backend works and
@@ -14,12 +15,20 @@ import importlib
 import torch
 
 from kernels.common import HAS_TRITON
+from kernels.mamba_scan import mamba_scan_ref
+from nano_spec.ssd import mamba_scan_chunked
 
 OP_NAMES = (
     "rmsnorm", "gated_rmsnorm", "mamba_scan", "mamba_verify", "commit_state",
     "attention_prefill", "attention_verify", "gather_rows", "verdict_greedy", "verdict_sample",
 )
 BACKENDS = ("auto", "torch", "triton")
+CHUNKED_FROM = 16  # below this many tokens the recurrence is the cheaper of the two on a CPU
+
+
+def torch_prefill_scan(xBC, dt, *args):
+    """mamba_scan_ref's contract; equal to fp32 rounding (tests/test_train.py)."""
+    return (mamba_scan_chunked if xBC.shape[0] >= CHUNKED_FROM else mamba_scan_ref)(xBC, dt, *args)
 
 
 def resolve_backend(backend: str, device: torch.device | str) -> str:
@@ -43,6 +52,8 @@ class Ops:
         for name in OP_NAMES:
             module = importlib.import_module(f"kernels.{name}")
             setattr(self, name, getattr(module, name if backend == "triton" else f"{name}_ref"))
+        if backend == "torch":
+            self.mamba_scan = torch_prefill_scan
 
     def __repr__(self):
         return f"Ops({self.backend!r})"

@@ -158,7 +158,8 @@ def test_llm_default_fits_a_small_budget_and_an_explicit_request_is_refused(ckpt
     cfg = ModelConfig.from_file(path / "config.json")
     want = 1000
     budget = sum(memory_parts(cfg, 2, want, 3, torch.float32, weight_bytes(cfg, torch.float32)).values())
-    llm = LLM(path, backend="torch", device="cpu", max_batch=2, memory_budget=budget)
+    llm = LLM(path, backend="torch", device="cpu", max_batch=2, num_drafts=3, memory_budget=budget)
     assert llm.max_seq_len == want and llm.stats["max_seq_len"] == want
     with pytest.raises(ValueError, match="memory: max_batch=2, max_seq_len=1001"):
-        LLM(path, backend="torch", device="cpu", max_batch=2, memory_budget=budget, max_seq_len=want + 1)
+        LLM(path, backend="torch", device="cpu", max_batch=2, num_drafts=3, memory_budget=budget,
+            max_seq_len=want + 1)
