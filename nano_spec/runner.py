@@ -19,7 +19,7 @@ import torch
 from nano_spec.cache import HybridCache
 from nano_spec.model import HybridLM
 from nano_spec.proposers import Drafts
-from nano_spec.sampling import BatchSampling, token_logprobs, verdict
+from nano_spec.sampling import BatchSampling, SamplingParams, token_logprobs, verdict
 
 
 @dataclass(frozen=True)
@@ -89,10 +89,22 @@ class ModelRunner:
         self.num_drafts = torch.zeros(num_slots, dtype=torch.long, device=self.device)         # (S,)
         self.draft_probs = None  # (S, γ, V), allocated on the first sampled request
         self.generators = [None] * num_slots
+        # per-slot device copies, written at admission and advanced on the device after each verdict,
+        # so a step uploads nothing but the batch's slot ids (and those only when the batch changes)
+        self.seq_lens = torch.zeros(num_slots, dtype=torch.long, device=self.device)  # (S,)
+        self.last = torch.zeros(num_slots, dtype=torch.long, device=self.device)      # (S,) last emitted token
+        self.sampling = BatchSampling.of([SamplingParams()] * num_slots, self.device)
+        self._batch = ((), None)  # (slot ids, their device tensor)
 
     # ---- helpers ------------------------------------------------------------------
     def _tensor(self, values, dtype=torch.long):
         return torch.tensor(values, dtype=dtype, device=self.device)
+
+    def _slots(self, seqs):
+        key = tuple(s.slot for s in seqs)
+        if key != self._batch[0]:
+            self._batch = (key, self._tensor(key))
+        return self._batch[1]
 
     def _uniforms(self, seqs, n: int):
         """(B, n) uniforms, each row from its sequence's own generator (reproducible per request)."""
@@ -114,8 +126,11 @@ class ModelRunner:
         hidden = self.model.prefill(self._tensor(seq.tokens), seq.slot, self.cache)  # (T, D)
         logits = self.model.logits(hidden[-1:])  # (1, V)
         sampling = BatchSampling.of([seq.params], self.device)
+        self.sampling.write(seq.slot, sampling)
         u = None if sampling.all_greedy else self._uniforms([seq], 1)[:, 0]  # draw "first token"
         tok, _ = sampling.pick(logits, u)
+        self.seq_lens[seq.slot] = len(seq.tokens)
+        self.last[seq.slot] = tok[0]
         zero = torch.zeros_like(tok)  # (1,): no drafts, none accepted
         result = self._host_results(logits[:, None], tok[:, None], zero, zero[:, None][:, :0], zero, [seq])[0]
         return Admission(result, hidden, tok, sampling)
@@ -125,14 +140,13 @@ class ModelRunner:
     def verify(self, seqs, gamma: int) -> Step:
         """One batched forward over rows [last_token | first γ drafts] of every sequence (B, K = γ + 1)."""
         B, K = len(seqs), gamma + 1
-        slots = self._tensor([s.slot for s in seqs])
-        seq_lens = self._tensor([s.seq_len for s in seqs])
-        last = self._tensor([s.tokens[-1] for s in seqs])
+        slots = self._slots(seqs)
+        seq_lens = self.seq_lens[slots]
         drafts = self.drafts[slots, :gamma]  # (B, γ)
-        rows = torch.cat([last[:, None], drafts], dim=1)  # (B, K)
+        rows = torch.cat([self.last[slots, None], drafts], dim=1)  # (B, K)
         kv_len = max(s.seq_len for s in seqs) + K + self.gamma
         logits = self.model.verify(rows, slots, seq_lens, self.cache, kv_len)  # (B, K, V)
-        sampling = BatchSampling.of([s.params for s in seqs], self.device)
+        sampling = self.sampling.select(slots, all(s.params.greedy for s in seqs))
         draft_probs = None if sampling.all_greedy else self._draft_probs()[slots, :gamma]
         return Step(slots, seq_lens, drafts, self.num_drafts[slots].clamp(max=gamma), draft_probs, sampling, kv_len,
                     logits, self.cache.hidden_stash(B, K))
@@ -143,6 +157,8 @@ class ModelRunner:
         u = None if step.sampling.all_greedy else self._uniforms(seqs, step.logits.shape[1])  # draw "verdict"
         na, emitted = verdict(self.model.ops, step.logits, step.drafts, step.num_drafts, step.sampling,
                               step.draft_probs, u)
+        self.seq_lens[step.slots] = step.seq_lens + na + 1  # the device copies follow the host, no copy back
+        self.last[step.slots] = emitted.gather(1, na[:, None])[:, 0]
         return Verdict(na, emitted, self._host_results(step.logits, emitted, na, step.drafts, step.num_drafts, seqs))
 
     def _host_results(self, logits, emitted, na, drafts, num_drafts, seqs) -> list:
@@ -229,10 +245,14 @@ class ModelRunner:
         u = None if step.sampling.all_greedy or not live else self._uniforms([seqs[i] for i in live], gamma)
 
         def propose(rows):  # rows index the batch; u was drawn once, so a retry sees the same numbers
-            idx = self._tensor(rows)
             sub = [seqs[i] for i in rows]
-            drafts = self.proposer.next(self.model, self.cache, sub, step.select(idx), verdict.select(rows, idx),
-                                        None if u is None else u[[live.index(i) for i in rows]], gamma)
+            if len(rows) == len(seqs):  # the whole batch: no row selection to upload
+                drafts = self.proposer.next(self.model, self.cache, sub, step, verdict, u, gamma)
+            else:
+                idx = self._tensor(rows)
+                drafts = self.proposer.next(self.model, self.cache, sub, step.select(idx),
+                                            verdict.select(rows, idx),
+                                            None if u is None else u[[live.index(i) for i in rows]], gamma)
             self._store(sub, drafts)
 
         ok = self._isolated(propose, active)[0]
@@ -243,7 +263,7 @@ class ModelRunner:
         """Keep each sequence's drafts in its slot until the next verify; None: no drafts."""
         if not seqs:
             return
-        slots = self._tensor([s.slot for s in seqs])
+        slots = self._slots(seqs)
         if drafts is None:
             self.num_drafts[slots] = 0
             return

@@ -74,10 +74,15 @@ class BatchSampling:
                    top_p=torch.tensor([float(p.top_p) for p in params], device=device),
                    all_greedy=all(greedy))
 
-    def select(self, idx) -> "BatchSampling":
-        """The rows idx; all_greedy is kept from the whole batch (deciding it again would need a sync)."""
+    def select(self, idx, all_greedy: bool | None = None) -> "BatchSampling":
+        """The rows idx; all_greedy, known on the host, is kept from the whole batch unless given."""
         return BatchSampling(self.greedy[idx], self.temperature[idx], self.top_k[idx], self.top_p[idx],
-                             self.all_greedy)
+                             self.all_greedy if all_greedy is None else all_greedy)
+
+    def write(self, row: int, one: "BatchSampling"):
+        """Row `row` takes the settings of a one-row BatchSampling (per-slot settings, at admission)."""
+        for name in ("greedy", "temperature", "top_k", "top_p"):
+            getattr(self, name)[row] = getattr(one, name)[0]
 
     def probs(self, logits):
         """logits (B, R, V) -> the filtered distribution (B, R, V) the rows sample from."""
