@@ -11,6 +11,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
@@ -32,30 +33,33 @@ class OpCounter(TorchDispatchMode):
 
 
 def profile(llm, prompts, params, runs: int) -> dict:
-    """{phase: {"calls", "ops_per_call", "ms_per_call"}} over the verify steps of `prompts`."""
-    tel, timed = llm.telemetry, llm.telemetry.phase
-    ops, calls, ms = {}, {}, {}
+    """{phase: {"calls", "ops_per_call", "ms_per_call"}} over the steps of generating `prompts`."""
+    timed = llm.telemetry.phase
+    ops, calls, secs = {}, {}, {}
     counting = False
 
     @contextmanager
     def phase(name):
-        counter = OpCounter() if counting else None
-        with timed(name), (counter if counter else nullcontext()):
+        counter = OpCounter() if counting else nullcontext()
+        t0 = time.perf_counter()
+        with timed(name), counter:
             yield
+        secs[name] = secs.get(name, 0.0) + time.perf_counter() - t0
         if counting:
             ops[name] = ops.get(name, 0) + counter.n
             calls[name] = calls.get(name, 0) + 1
 
-    tel.phase = phase
+    llm.telemetry.phase = phase
     llm.generate(prompts[:1], SamplingParams(max_new_tokens=4, ignore_eos=True))  # warm-up
     counting = True
     llm.generate(prompts, params)
     counting = False
+    ms = {}
     for _ in range(runs):
-        tel.reset()
+        secs.clear()
         llm.generate(prompts, params)
-        for name, c in calls.items():  # every run makes the same calls: greedy, same prompts
-            ms.setdefault(name, []).append(1e3 * tel.phase_seconds[name] / c)
+        for name, c in calls.items():  # every run makes the same calls: greedy, same prompts, fixed γ
+            ms.setdefault(name, []).append(1e3 * secs.get(name, 0.0) / c)
     return {name: {"calls": calls[name], "ops_per_call": ops[name] / calls[name],
                    "ms_per_call": statistics.median(ms[name])} for name in calls}
 
