@@ -24,8 +24,8 @@ import functools
 
 import torch
 
-from kernels.common import (apply_rope_ref, check, dot_precision, online_softmax_step, pow2, rope_inv_freq, rope_load,
-                            tl, triton)
+from kernels.common import (apply_rope_ref, check, check_attention, dot_precision,
+                            online_softmax_step, pow2, rope_inv_freq, rope_load, tl, triton)
 
 _check = functools.partial(check, "attention_prefill")
 
@@ -98,23 +98,11 @@ def _prefill_attention_kernel(
 
 def attention_prefill(q, k, v, k_cache, v_cache, slot: int, scale: float, rope_theta=None):
     """Triton version of attention_prefill_ref (same signature, same cache writes, same output)."""
-    _check(q.dim() == 3 and k.dim() == 3 and v.dim() == 3, f"q, k, v must be (T, H, Dh), got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    Hkv = check_attention("attention_prefill", ("T",), q, k, v, k_cache, v_cache, rope_theta)
     T, Hq, Dh = q.shape
-    Hkv = k.shape[1]
-    _check(k.shape == (T, Hkv, Dh) and v.shape == (T, Hkv, Dh), f"k, v must be ({T}, Hkv, {Dh}), got {tuple(k.shape)}, {tuple(v.shape)}")
-    _check(Hkv > 0 and Hq % Hkv == 0, f"Hq={Hq} must be a multiple of Hkv={Hkv}")
-    _check(k_cache.dim() == 4 and k_cache.shape[2:] == (Hkv, Dh) and v_cache.shape == k_cache.shape,
-           f"k_cache, v_cache must be (S, L, {Hkv}, {Dh}), got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
     S, L = k_cache.shape[:2]
     _check(0 <= int(slot) < S, f"slot {slot} out of range [0, {S})")
     _check(T <= L, f"prompt of {T} tokens does not fit a cache of {L} rows")
-    _check(k.dtype == v.dtype == q.dtype == k_cache.dtype == v_cache.dtype,
-           f"q, k, v, k_cache, v_cache must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}, {k_cache.dtype}, {v_cache.dtype}")
-    _check(q.dtype in (torch.float32, torch.float16, torch.bfloat16), f"unsupported dtype {q.dtype}")
-    _check(len({t.device for t in (q, k, v, k_cache, v_cache)}) == 1, "all tensors must be on one device")
-    for name, t in (("q", q), ("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
-        _check(t.stride(-1) == 1, f"{name} must have a unit stride in its last dim")
-    _check(rope_theta is None or Dh % 2 == 0, f"RoPE needs an even head dim, got {Dh}")
     if T == 0:
         return torch.empty_like(q)
 
@@ -124,17 +112,14 @@ def attention_prefill(q, k, v, k_cache, v_cache, slot: int, scale: float, rope_t
     BLOCK_T = 32
     _rope_store_kernel[(triton.cdiv(T, BLOCK_T), Hkv)](
         k, v, k_cache, v_cache, inv_freq, T, int(slot),
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        *k.stride()[:2], *v.stride()[:2], *k_cache.stride()[:3], *v_cache.stride()[:3],
         DH=Dh, DH_PAD=DH_PAD, BLOCK_T=BLOCK_T, ROPE=rope,
     )
     o = torch.empty_like(q, memory_format=torch.contiguous_format)
-    BLOCK_M = 64 if q.is_cuda else 32
-    BLOCK_N = 64 if q.is_cuda else 32
+    BLOCK_M = BLOCK_N = 64 if q.is_cuda else 32
     _prefill_attention_kernel[(triton.cdiv(T, BLOCK_M), Hq)](
         q, k_cache, v_cache, o, inv_freq, T, int(slot), float(scale),
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), o.stride(0), o.stride(1),
+        *q.stride()[:2], *k_cache.stride()[:3], *v_cache.stride()[:3], *o.stride()[:2],
         REP=Hq // Hkv, DH=Dh, DH_PAD=DH_PAD, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, ROPE=rope,
         DOT_PREC=dot_precision(q.dtype),
     )
@@ -144,14 +129,12 @@ def attention_prefill(q, k, v, k_cache, v_cache, slot: int, scale: float, rope_t
 def attention_prefill_ref(q, k, v, k_cache, v_cache, slot: int, scale: float, rope_theta=None):
     """q (T, Hq, Dh), k, v (T, Hkv, Dh); k_cache, v_cache (S, L, Hkv, Dh) of one layer.
     Writes rows 0..T-1 of the slot; returns o (T, Hq, Dh) in q's dtype."""
-    T, Hq, Dh = q.shape
-    Hkv = k.shape[1]
+    T, rep = q.shape[0], q.shape[1] // k.shape[1]  # rep query heads per KV head
     pos = torch.arange(T, device=q.device)
     q = apply_rope_ref(q, pos, rope_theta)
     k = apply_rope_ref(k, pos, rope_theta)
     k_cache[slot, :T] = k
     v_cache[slot, :T] = v
-    rep = Hq // Hkv
     kf = k_cache[slot, :T].float().repeat_interleave(rep, dim=1)  # (T, Hq, Dh)
     vf = v_cache[slot, :T].float().repeat_interleave(rep, dim=1)
     s = torch.einsum("qhd,khd->hqk", q.float(), kf) * scale  # (Hq, T, T)

@@ -26,7 +26,8 @@ import functools
 
 import torch
 
-from kernels.common import (apply_rope_ref, check, dot_precision, online_softmax_step, pow2, rope_inv_freq, rope_load,
+from kernels.common import (apply_rope_ref, check, check_attention, dot_precision,
+                            online_softmax_step, pow2, rope_inv_freq, rope_load, split_chunks,
                             tl, triton)
 
 _check = functools.partial(check, "attention_verify")
@@ -131,46 +132,26 @@ def _combine_kernel(
     tl.store(p_o + i_b * s_o_b + i_j * s_o_k + i_h * s_o_h + o_d, b_o.to(p_o.dtype.element_ty), mask=o_d < DH)
 
 
-def _num_splits(Bsz: int, Hkv: int, L: int, block_n: int, device) -> int:
-    """Enough programs to fill the device (about two per SM); at least 4 blocks of keys per split."""
-    n_sm = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
-    want = triton.cdiv(2 * n_sm, Bsz * Hkv)
-    return max(1, min(want, triton.cdiv(L, 4 * block_n)))
-
-
 def _attention_verify(q, k, v, k_cache, v_cache, slot_ids, seq_lens, scale, rope_theta=None, num_splits=None):
     """attention_verify with the split count exposed (tests force the split and unsplit paths)."""
-    _check(q.dim() == 4 and k.dim() == 4 and v.dim() == 4,
-           f"q, k, v must be (B, K, H, Dh), got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    Hkv = check_attention("attention_verify", ("B", "K"), q, k, v, k_cache, v_cache, rope_theta)
     Bsz, K, Hq, Dh = q.shape
-    Hkv = k.shape[2]
-    _check(k.shape == (Bsz, K, Hkv, Dh) and v.shape == k.shape,
-           f"k, v must be ({Bsz}, {K}, Hkv, {Dh}), got {tuple(k.shape)}, {tuple(v.shape)}")
-    _check(Hkv > 0 and Hq % Hkv == 0, f"Hq={Hq} must be a multiple of Hkv={Hkv}")
-    _check(k_cache.dim() == 4 and k_cache.shape[2:] == (Hkv, Dh) and v_cache.shape == k_cache.shape,
-           f"k_cache, v_cache must be (S, L, {Hkv}, {Dh}), got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
     L = k_cache.shape[1]
-    _check(slot_ids.shape == (Bsz,) and seq_lens.shape == (Bsz,),
+    _check(1 <= K <= L, f"K={K} rows must be in [1, L={L}]")
+    _check(slot_ids.shape == (Bsz,) == seq_lens.shape,
            f"slot_ids, seq_lens must be ({Bsz},), got {tuple(slot_ids.shape)}, {tuple(seq_lens.shape)}")
-    _check(not slot_ids.is_floating_point() and not seq_lens.is_floating_point(), "slot_ids, seq_lens must be integer tensors")
-    _check(slot_ids.is_contiguous() and seq_lens.is_contiguous(), "slot_ids, seq_lens must be contiguous")  # read at offset b
-    _check(k.dtype == v.dtype == q.dtype == k_cache.dtype == v_cache.dtype,
-           f"q, k, v, k_cache, v_cache must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}, {k_cache.dtype}, {v_cache.dtype}")
-    _check(q.dtype in (torch.float32, torch.float16, torch.bfloat16), f"unsupported dtype {q.dtype}")
-    _check(len({t.device for t in (q, k, v, k_cache, v_cache, slot_ids, seq_lens)}) == 1, "all tensors must be on one device")
-    for name, t in (("q", q), ("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
-        _check(t.stride(-1) == 1, f"{name} must have a unit stride in its last dim")
-    _check(rope_theta is None or Dh % 2 == 0, f"RoPE needs an even head dim, got {Dh}")
-    _check(K >= 1 and K <= L, f"K={K} rows must be in [1, L={L}]")
+    _check(not slot_ids.is_floating_point() and not seq_lens.is_floating_point(),
+           "slot_ids, seq_lens must be integer tensors")
+    _check(q.device == slot_ids.device == seq_lens.device, "slot_ids, seq_lens: not on q's device")
+    contiguous = slot_ids.is_contiguous() and seq_lens.is_contiguous()  # the kernel reads them at b
+    _check(contiguous, "slot_ids, seq_lens must be contiguous")
     o = torch.empty((Bsz, K, Hq, Dh), dtype=q.dtype, device=q.device)
     if Bsz == 0:
         return o
 
     BLOCK_N = 64 if q.is_cuda else 32
     DH_PAD = pow2(Dh)
-    splits = num_splits or _num_splits(Bsz, Hkv, L, BLOCK_N, q.device)
-    chunk = triton.cdiv(triton.cdiv(L, splits), BLOCK_N) * BLOCK_N  # whole key blocks per split
-    splits = triton.cdiv(L, chunk)
+    chunk, splits = split_chunks(L, BLOCK_N, Bsz * Hkv, q.device, num_splits)  # keys per split
     if splits > 1:
         mpart = torch.empty((Bsz, K, Hq, splits), dtype=torch.float32, device=q.device)
         lpart = torch.empty_like(mpart)
@@ -181,16 +162,15 @@ def _attention_verify(q, k, v, k_cache, v_cache, slot_ids, seq_lens, scale, rope
     _verify_attention_kernel[(Bsz * Hkv, splits)](
         q, k, v, k_cache, v_cache, slot_ids, seq_lens, o, mpart, lpart, opart, inv_freq,
         L, chunk, float(scale),
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        o.stride(0), o.stride(1), o.stride(2),
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+        *k_cache.stride()[:3], *v_cache.stride()[:3], *o.stride()[:3],
         K=K, HKV=Hkv, REP=Hq // Hkv, DH=Dh, DH_PAD=DH_PAD,
         BLOCK_M=pow2((Hq // Hkv) * K), BLOCK_N=BLOCK_N, K_PAD=pow2(K),
         SPLITS=splits, ROPE=rope_theta is not None, DOT_PREC=dot_precision(q.dtype),
     )
     if splits > 1:
         _combine_kernel[(Bsz * K * Hq,)](
-            mpart, lpart, opart, o, o.stride(0), o.stride(1), o.stride(2),
+            mpart, lpart, opart, o, *o.stride()[:3],
             K=K, HQ=Hq, DH=Dh, DH_PAD=DH_PAD, SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
         )
     return o
