@@ -18,7 +18,7 @@ import functools
 
 import torch
 
-from kernels.common import check, tl, triton
+from kernels.common import check, check_verdict, split_chunks, tl, triton
 
 _check = functools.partial(check, "verdict_greedy")
 
@@ -76,17 +76,8 @@ def _verdict_kernel(
 
 def _verdict_greedy(logits, drafts, num_drafts, block_v=None, num_splits=None):
     """verdict_greedy with the tile and split sizes exposed (tests force several of each)."""
-    _check(logits.dim() == 3, f"logits must be (B, K, V), got {tuple(logits.shape)}")
-    Bsz, K, V = logits.shape
-    _check(K >= 1 and V >= 1, f"logits needs K >= 1 and V >= 1, got {tuple(logits.shape)}")
-    _check(logits.is_floating_point(), f"logits must be floating point, got {logits.dtype}")
+    Bsz, K, V = check_verdict("verdict_greedy", logits, drafts, num_drafts)
     _check(logits.stride(-1) == 1, "logits must have a unit stride in its last dim")
-    _check(drafts.shape == (Bsz, K - 1) and not drafts.is_floating_point(),
-           f"drafts must be an integer tensor ({Bsz}, {K - 1}), got {drafts.dtype} {tuple(drafts.shape)}")
-    _check(num_drafts.shape == (Bsz,) and not num_drafts.is_floating_point(),
-           f"num_drafts must be an integer tensor ({Bsz},), got {num_drafts.dtype} {tuple(num_drafts.shape)}")
-    _check(num_drafts.is_contiguous(), "num_drafts must be contiguous")  # read at offset b
-    _check(logits.device == drafts.device == num_drafts.device, "logits, drafts, num_drafts must be on one device")
     dev = logits.device
     picks = torch.empty((Bsz, K), dtype=torch.int64, device=dev)
     na = torch.empty((Bsz,), dtype=torch.int64, device=dev)
@@ -94,11 +85,7 @@ def _verdict_greedy(logits, drafts, num_drafts, block_v=None, num_splits=None):
         return picks, na
 
     BLOCK_V = block_v or min(2048 if logits.is_cuda else 1024, triton.next_power_of_2(V))
-    if num_splits is None:
-        n_sm = torch.cuda.get_device_properties(dev).multi_processor_count if logits.is_cuda else 2
-        num_splits = max(1, min(triton.cdiv(2 * n_sm, Bsz * K), triton.cdiv(V, 4 * BLOCK_V)))
-    chunk = triton.cdiv(triton.cdiv(V, num_splits), BLOCK_V) * BLOCK_V
-    splits = triton.cdiv(V, chunk)
+    chunk, splits = split_chunks(V, BLOCK_V, Bsz * K, dev, num_splits)
     pm = torch.empty((Bsz * K, splits), dtype=torch.float32, device=dev)  # partial maxima
     pa = torch.empty((Bsz * K, splits), dtype=torch.int32, device=dev)  # their first indices
     _row_stats_kernel[(Bsz * K, splits)](

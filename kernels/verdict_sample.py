@@ -31,7 +31,7 @@ import functools
 
 import torch
 
-from kernels.common import check, tl, triton
+from kernels.common import check, check_verdict, tl, triton
 
 _check = functools.partial(check, "verdict_sample")
 
@@ -112,24 +112,16 @@ def _verdict_sample_kernel(
 
 def _verdict_sample(logits, draft_probs, drafts, num_drafts, uniforms, temperature, top_k, top_p, block_v=None):
     """verdict_sample with the V tile exposed (tests force several tiles)."""
-    _check(logits.dim() == 3, f"logits must be (B, K, V), got {tuple(logits.shape)}")
-    Bsz, K, V = logits.shape
-    _check(K >= 1 and V >= 1, f"logits needs K >= 1 and V >= 1, got {tuple(logits.shape)}")
-    _check(logits.is_floating_point(), f"logits must be floating point, got {logits.dtype}")
+    Bsz, K, V = check_verdict("verdict_sample", logits, drafts, num_drafts)
     _check(draft_probs.shape == (Bsz, K - 1, V) and draft_probs.is_floating_point(),
            f"draft_probs must be float ({Bsz}, {K - 1}, {V}), got {draft_probs.dtype} {tuple(draft_probs.shape)}")
-    _check(drafts.shape == (Bsz, K - 1) and not drafts.is_floating_point(),
-           f"drafts must be an integer tensor ({Bsz}, {K - 1}), got {drafts.dtype} {tuple(drafts.shape)}")
-    _check(num_drafts.shape == (Bsz,) and not num_drafts.is_floating_point(),
-           f"num_drafts must be an integer tensor ({Bsz},), got {num_drafts.dtype} {tuple(num_drafts.shape)}")
     _check(uniforms.shape == (Bsz, K) and uniforms.dtype in (torch.float32, torch.float64),
            f"uniforms must be fp32/fp64 ({Bsz}, {K}), got {uniforms.dtype} {tuple(uniforms.shape)}")
     for name, t in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p)):
         _check(t.shape == (Bsz,), f"{name} must be ({Bsz},), got {tuple(t.shape)}")
-    _check(len({t.device for t in (logits, draft_probs, drafts, num_drafts, uniforms, temperature, top_k, top_p)}) == 1,
-           "all tensors must be on one device")
+    others = (draft_probs, uniforms, temperature, top_k, top_p)
+    _check(all(t.device == logits.device for t in others), "all tensors must be on one device")
     _check(K == 1 or draft_probs.stride(-1) == 1, "draft_probs must have a unit stride in its last dim")
-    _check(num_drafts.is_contiguous(), "num_drafts must be contiguous")  # read at offset b
     dev = logits.device
     na = torch.empty((Bsz,), dtype=torch.int64, device=dev)
     token = torch.empty((Bsz,), dtype=torch.int64, device=dev)
