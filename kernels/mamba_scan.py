@@ -31,8 +31,9 @@ import functools
 
 import torch
 
-from kernels.common import (check, conv_silu_ref, load_conv_taps, load_head_params, mamba_dt_ref,
-                            softplus, split_xbc, ssm_step_ref, tl, triton)
+from kernels.common import (check, check_mamba_params, conv_silu_ref, load_conv_taps,
+                            load_head_params, mamba_dt_ref, softplus, split_xbc, ssm_step_ref,
+                            tl, triton)
 
 INF = float("inf")
 CHUNK = 32  # Q: tokens per chunk of the SSD form (tl.dot wants >= 16; 64 spills on sm_90 with N = 128)
@@ -134,9 +135,7 @@ def _mamba_scan_chunked_kernel(
     o_cx = i_h * P + o_p
     o_cb = H * P + i_g * N + o_n
     o_cc = H * P + G * N + i_g * N + o_n
-    b_A = -tl.exp(tl.load(p_A_log + i_h).to(tl.float32))
-    b_D = tl.load(p_D + i_h).to(tl.float32)
-    b_dt_bias = tl.load(p_dt_bias + i_h).to(tl.float32)
+    b_A, b_D, b_dt_bias = load_head_params(p_A_log, p_D, p_dt_bias, i_h)
     m_causal = o_q[:, None] >= o_q[None, :]  # (Q, Q): token t sees s <= t
     b_s = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)  # (BLOCK_P, N) state entering the chunk
 
@@ -180,35 +179,19 @@ def _mamba_scan_chunked_kernel(
 
 def mamba_scan(xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, n_groups: int, head_dim: int,
                dt_limit=(0.0, INF), method: str = "auto"):
-    """Triton version of mamba_scan_ref (same arguments and returns), plus `method`:
-    "recurrent", "chunked" (SSD, chunks of CHUNK tokens) or "auto" (chunked on CUDA when T >= 2*CHUNK).
-
-    xBC (T, C) and dt (T, H) need unit stride on the last dim (row strides are free, e.g. views
-    into the in_proj output); conv_weight (C, W), conv_bias (C,) or None, dt_bias, A_log, D (H,)
-    must be contiguous and on xBC's device.
-    """
+    """Triton version of mamba_scan_ref, plus `method`: "recurrent", "chunked" (SSD, chunks of CHUNK
+    tokens) or "auto" (chunked on CUDA when T >= 2*CHUNK). xBC and dt may be row-strided views."""
     _check(method in ("auto", "recurrent", "chunked"), f"unknown method {method!r}")
-    _check(xBC.dim() == 2 and dt.dim() == 2, f"xBC (T, C) and dt (T, H) expected, got {tuple(xBC.shape)}, {tuple(dt.shape)}")
-    _check(xBC.is_floating_point() and dt.is_floating_point(), f"xBC and dt must be float, got {xBC.dtype}, {dt.dtype}")
+    _check(xBC.dim() == dt.dim() == 2 and xBC.is_floating_point() and dt.is_floating_point(),
+           f"xBC (T, C), dt (T, H) must be float: {xBC.dtype} {xBC.shape}, {dt.dtype} {dt.shape}")
     T, C = xBC.shape
-    H = dt.shape[1]
-    P, G = head_dim, n_groups
-    _check(dt.shape[0] == T, f"dt has {dt.shape[0]} tokens, xBC {T}")
-    _check(G >= 1 and H % G == 0, f"H={H} not divisible by n_groups={G}")
-    _check(P >= 1 and C > H * P and (C - H * P) % (2 * G) == 0, f"C={C} does not split into H*P={H * P} + 2*G*N")
+    H, P, G = dt.shape[1], head_dim, n_groups
+    _check(dt.shape[0] == T and dt.device == xBC.device, f"dt must have xBC's {T} rows and device")
+    W = check_mamba_params("mamba_scan", xBC.device, C, H, G, conv_weight, conv_bias,
+                           dt_bias, A_log, D)
+    _check(P >= 1 and C > H * P and (C - H * P) % (2 * G) == 0, f"C={C} is not H*P={H * P} + 2*G*N")
     N = (C - H * P) // (2 * G)
-    _check(conv_weight.dim() == 2 and conv_weight.shape[0] == C and conv_weight.shape[1] >= 2,
-           f"conv_weight must be (C={C}, W>=2), got {tuple(conv_weight.shape)}")
-    W = conv_weight.shape[1]
-    _check(conv_bias is None or tuple(conv_bias.shape) == (C,), "conv_bias must be (C,) or None")
-    for name, t in (("dt_bias", dt_bias), ("A_log", A_log), ("D", D)):
-        _check(tuple(t.shape) == (H,), f"{name} must be (H={H},), got {tuple(t.shape)}")
     _check((xBC.stride(1) == 1 and dt.stride(1) == 1) or T == 0, "xBC and dt need unit stride on the last dim")
-    for name, t in (("conv_weight", conv_weight), ("conv_bias", conv_bias), ("dt_bias", dt_bias),
-                    ("A_log", A_log), ("D", D), ("dt", dt)):
-        if t is not None:
-            _check(t.device == xBC.device, f"{name} is on {t.device}, xBC on {xBC.device}")
-            _check(t is dt or t.is_contiguous(), f"{name} must be contiguous")
 
     y = torch.empty(T, H, P, device=xBC.device, dtype=xBC.dtype)
     state = torch.empty(H, P, N, device=xBC.device, dtype=torch.float32)

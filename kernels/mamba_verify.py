@@ -28,8 +28,8 @@ import functools
 
 import torch
 
-from kernels.common import (check, conv_silu_ref, load_conv_taps, load_head_params, mamba_dt_ref,
-                            softplus, split_xbc, tl, triton)
+from kernels.common import (check, check_mamba_params, check_placed, conv_silu_ref, load_conv_taps,
+                            load_head_params, mamba_dt_ref, softplus, split_xbc, tl, triton)
 
 INF = float("inf")
 
@@ -145,43 +145,30 @@ def _conv_window_kernel(p_conv_stash, p_conv_state, p_slot, K, C,
 
 def mamba_verify(xBC, dt, conv_state, ssm_state, slot_ids, conv_weight, conv_bias, dt_bias, A_log, D,
                  ssm_stash, conv_stash, n_groups: int, dt_limit=(0.0, INF)):
-    """Triton version of mamba_verify_ref (same arguments, same in-place writes, returns y (B, K, H, P)).
-
-    Layout requirements: xBC (B, K, C) and dt (B, K, H) need unit stride on the last dim (any other
-    strides, e.g. views into the in_proj output); conv_state (S, C, W-1), ssm_state (S, H, P, N) fp32,
-    ssm_stash (B, K, H, P, N) fp32, conv_stash (B, C, W-1+K), conv_weight (C, W), parameters and
-    slot_ids (B,) integer must be contiguous. slot_ids must be distinct (not checked: no host sync).
-    """
-    _check(xBC.dim() == 3 and dt.dim() == 3, f"xBC (B, K, C) and dt (B, K, H) expected, got {tuple(xBC.shape)}, {tuple(dt.shape)}")
-    _check(xBC.is_floating_point() and dt.is_floating_point(), f"xBC and dt must be float, got {xBC.dtype}, {dt.dtype}")
+    """Triton version of mamba_verify_ref (same arguments and writes). xBC and dt may be strided
+    views with a unit last-dim stride; slot_ids must be distinct (not checked: no host sync)."""
+    _check(xBC.dim() == 3 and ssm_state.dim() == 4,
+           f"xBC (B, K, C), ssm_state (S, H, P, N) expected, got {xBC.shape}, {ssm_state.shape}")
     Bsz, K, C = xBC.shape
-    _check(ssm_state.dim() == 4, f"ssm_state must be (S, H, P, N), got {tuple(ssm_state.shape)}")
     S, H, P, N = ssm_state.shape
     G = n_groups
-    _check(G >= 1 and H % G == 0, f"H={H} not divisible by n_groups={G}")
+    W = check_mamba_params("mamba_verify", xBC.device, C, H, G, conv_weight, conv_bias,
+                           dt_bias, A_log, D)
     _check(C == H * P + 2 * G * N, f"C={C} != H*P + 2*G*N = {H * P + 2 * G * N}")
-    _check(conv_weight.dim() == 2 and conv_weight.shape[0] == C, f"conv_weight must be (C={C}, W), got {tuple(conv_weight.shape)}")
-    W = conv_weight.shape[1]
-    _check(W >= 2, "conv width W must be >= 2")
-    _check(tuple(dt.shape) == (Bsz, K, H), f"dt must be {(Bsz, K, H)}, got {tuple(dt.shape)}")
-    _check(tuple(conv_state.shape) == (S, C, W - 1), f"conv_state must be {(S, C, W - 1)}, got {tuple(conv_state.shape)}")
-    _check(tuple(slot_ids.shape) == (Bsz,) and not slot_ids.is_floating_point() and slot_ids.dtype != torch.bool,
-           f"slot_ids must be an integer (B={Bsz},) tensor")
-    _check(conv_bias is None or tuple(conv_bias.shape) == (C,), "conv_bias must be (C,) or None")
-    for name, t in (("dt_bias", dt_bias), ("A_log", A_log), ("D", D)):
-        _check(tuple(t.shape) == (H,), f"{name} must be (H={H},), got {tuple(t.shape)}")
-    _check(tuple(ssm_stash.shape) == (Bsz, K, H, P, N), f"ssm_stash must be {(Bsz, K, H, P, N)}, got {tuple(ssm_stash.shape)}")
-    _check(tuple(conv_stash.shape) == (Bsz, C, W - 1 + K), f"conv_stash must be {(Bsz, C, W - 1 + K)}, got {tuple(conv_stash.shape)}")
-    _check(ssm_state.dtype == torch.float32 and ssm_stash.dtype == torch.float32, "ssm_state and ssm_stash must be fp32")
+    for name, t, shape in (("dt", dt, (Bsz, K, H)), ("slot_ids", slot_ids, (Bsz,)),
+                           ("conv_state", conv_state, (S, C, W - 1)),
+                           ("ssm_stash", ssm_stash, (Bsz, K, H, P, N)),
+                           ("conv_stash", conv_stash, (Bsz, C, W - 1 + K))):
+        _check(t.shape == shape, f"{name} must be {shape}, got {tuple(t.shape)}")
+    _check(xBC.is_floating_point() and dt.is_floating_point(), "xBC and dt must be float tensors")
+    _check(not slot_ids.is_floating_point() and slot_ids.dtype != torch.bool,
+           "slot_ids must be an integer tensor")
+    _check(ssm_state.dtype == ssm_stash.dtype == torch.float32, "ssm_state, ssm_stash must be fp32")
     _check(conv_stash.dtype == conv_state.dtype, "conv_stash must have conv_state's dtype")
-    _check(xBC.stride(-1) == 1 and dt.stride(-1) == 1, "xBC and dt need unit stride on the last dim")
-    for name, t in (("conv_state", conv_state), ("ssm_state", ssm_state), ("ssm_stash", ssm_stash),
-                    ("conv_stash", conv_stash), ("conv_weight", conv_weight), ("conv_bias", conv_bias),
-                    ("dt_bias", dt_bias), ("A_log", A_log), ("D", D), ("slot_ids", slot_ids)):
-        if t is not None:
-            _check(t.is_contiguous(), f"{name} must be contiguous")
-            _check(t.device == xBC.device, f"{name} is on {t.device}, xBC on {xBC.device}")
+    _check(xBC.stride(-1) == dt.stride(-1) == 1, "xBC and dt need unit stride on the last dim")
     _check(dt.device == xBC.device, "dt must be on xBC's device")
+    check_placed("mamba_verify", xBC.device, conv_state=conv_state, ssm_state=ssm_state,
+                 ssm_stash=ssm_stash, conv_stash=conv_stash, slot_ids=slot_ids)
 
     y = torch.empty(Bsz, K, H, P, device=xBC.device, dtype=xBC.dtype)
     if Bsz == 0 or K == 0:
