@@ -20,14 +20,12 @@ Two launches: `_rope_store_kernel` rotates k and writes k, v into the slot's row
 `_prefill_attention_kernel` reads K/V back from the cache (so the attention sees exactly the cached,
 rounded values, as the reference does) and rotates q on load.
 """
-import functools
-
 import torch
 
-from kernels.common import (apply_rope_ref, check, check_attention, dot_precision,
+from kernels.common import (apply_rope_ref, check_attention, checker, dot_precision,
                             online_softmax_step, pow2, rope_inv_freq, rope_load, tl, triton)
 
-_check = functools.partial(check, "attention_prefill")
+_check = checker("attention_prefill")
 
 
 @triton.jit
@@ -98,7 +96,7 @@ def _prefill_attention_kernel(
 
 def attention_prefill(q, k, v, k_cache, v_cache, slot: int, scale: float, rope_theta=None):
     """Triton version of attention_prefill_ref (same signature, same cache writes, same output)."""
-    Hkv = check_attention("attention_prefill", ("T",), q, k, v, k_cache, v_cache, rope_theta)
+    Hkv = check_attention(_check, ("T",), q, k, v, k_cache, v_cache, rope_theta)
     T, Hq, Dh = q.shape
     S, L = k_cache.shape[:2]
     _check(0 <= int(slot) < S, f"slot {slot} out of range [0, {S})")

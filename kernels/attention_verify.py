@@ -22,15 +22,13 @@ For long caches and few (b, h) pairs the old keys are split across SPLITS progra
 The number of splits depends only on shapes (L, B, Hkv), never on seq_lens values,
 so there is no host sync; programs past a sequence's length do no work.
 """
-import functools
-
 import torch
 
-from kernels.common import (apply_rope_ref, check, check_attention, dot_precision,
+from kernels.common import (apply_rope_ref, check_attention, checker, dot_precision,
                             online_softmax_step, pow2, rope_inv_freq, rope_load, split_chunks,
                             tl, triton)
 
-_check = functools.partial(check, "attention_verify")
+_check = checker("attention_verify")
 
 
 @triton.jit
@@ -134,7 +132,7 @@ def _combine_kernel(
 
 def _attention_verify(q, k, v, k_cache, v_cache, slot_ids, seq_lens, scale, rope_theta=None, num_splits=None):
     """attention_verify with the split count exposed (tests force the split and unsplit paths)."""
-    Hkv = check_attention("attention_verify", ("B", "K"), q, k, v, k_cache, v_cache, rope_theta)
+    Hkv = check_attention(_check, ("B", "K"), q, k, v, k_cache, v_cache, rope_theta)
     Bsz, K, Hq, Dh = q.shape
     L = k_cache.shape[1]
     _check(1 <= K <= L, f"K={K} rows must be in [1, L={L}]")

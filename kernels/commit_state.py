@@ -14,13 +14,11 @@ tile t of the flat H*P*N state and tile t of the flat C*(W-1) window of layer l,
 sequence b. na and active are read on the device and fold into the masks, so a
 row that does not commit moves no bytes and the host never waits on the verdict.
 """
-import functools
-
 import torch
 
-from kernels.common import check, tl, triton
+from kernels.common import check_placed, checker, tl, triton
 
-_check = functools.partial(check, "commit_state")
+_check = checker("commit_state")
 
 
 @triton.jit
@@ -53,12 +51,8 @@ def _commit_state_kernel(p_ssm_state, p_conv_state, p_ssm_stash, p_conv_stash, p
 
 
 def commit_state(ssm_state, conv_state, ssm_stash, conv_stash, slot_ids, na, active):
-    """Triton version of commit_state_ref (same arguments, in place, no host sync).
-
-    All of ssm_state (L, S, H, P, N), conv_state (L, S, C, W-1), ssm_stash (L, B, K, H, P, N),
-    conv_stash (L, B, C, W-1+K), slot_ids, na (B,) integer and active (B,) bool must be contiguous
-    and on one device; ssm tensors share a dtype, conv tensors share a dtype.
-    """
+    """Triton version of commit_state_ref (same arguments, in place, no host sync): all tensors
+    contiguous on one device, each state with its stash's dtype."""
     _check(ssm_state.dim() == 5 and ssm_stash.dim() == 6, "ssm_state (L, S, H, P, N) and ssm_stash (L, B, K, H, P, N) expected")
     L, S, H, P, N = ssm_state.shape
     Lb, Bsz, K = ssm_stash.shape[:3]
@@ -74,10 +68,8 @@ def commit_state(ssm_state, conv_state, ssm_stash, conv_stash, slot_ids, na, act
     _check(not na.is_floating_point() and na.dtype != torch.bool, "na must be integer")
     _check(active.dtype == torch.bool, "active must be bool")
     _check(ssm_state.dtype == ssm_stash.dtype and conv_state.dtype == conv_stash.dtype, "state and stash dtypes differ")
-    for name, t in (("ssm_state", ssm_state), ("conv_state", conv_state), ("ssm_stash", ssm_stash),
-                    ("conv_stash", conv_stash), ("slot_ids", slot_ids), ("na", na), ("active", active)):
-        _check(t.is_contiguous(), f"{name} must be contiguous")
-        _check(t.device == ssm_state.device, f"{name} is on {t.device}, ssm_state on {ssm_state.device}")
+    check_placed(_check, ssm_state.device, ssm_state=ssm_state, conv_state=conv_state, na=na,
+                 ssm_stash=ssm_stash, conv_stash=conv_stash, slot_ids=slot_ids, active=active)
     if L * Bsz == 0:
         return
     HPN = H * P * N
@@ -89,10 +81,8 @@ def commit_state(ssm_state, conv_state, ssm_stash, conv_stash, slot_ids, na, act
 
 def commit_state_ref(ssm_state, conv_state, ssm_stash, conv_stash, slot_ids, na, active):
     """ssm_state (L, S, H, P, N), conv_state (L, S, C, W-1), ssm_stash (L, B, K, H, P, N),
-    conv_stash (L, B, C, W-1+K), slot_ids, na (B,) int, active (B,) bool. In place.
-
-    Only the rows that move are read and written. Finding them (nonzero) waits for the device;
-    this reference is the CPU path, where that costs nothing, and the kernel reads the mask itself."""
+    conv_stash (L, B, C, W-1+K), slot_ids, na (B,) int, active (B,) bool. In place, only the rows
+    that move: finding them (nonzero) waits for the device, which costs nothing on the CPU path."""
     K, Wm1 = ssm_stash.shape[2], conv_state.shape[-1]
     rows = (active & (na < K - 1)).nonzero()[:, 0]  # (R,) batch positions that rejected a draft
     if rows.numel() == 0:

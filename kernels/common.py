@@ -8,6 +8,8 @@ Shapes use the glossary of docs/DESIGN.md §1: T tokens, H Mamba heads, Dh head 
 Triton is optional: kernel files take `triton` and `tl` from here, the real modules
 or, without triton (macOS, Windows), a stand-in under which the references run.
 """
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -47,64 +49,67 @@ def check(kernel: str, cond: bool, msg: str):
         raise ValueError(f"{kernel}: {msg}")
 
 
-def check_placed(kernel: str, device, **tensors):
+def checker(kernel: str):
+    """`check` with the kernel's name bound: a launcher file's `_check`, which the helpers take."""
+    return functools.partial(check, kernel)
+
+
+def check_placed(chk, device, **tensors):
     """Each named tensor (None skipped) is contiguous, as the kernels index it, and on device."""
     for name, t in tensors.items():
         if t is not None:
-            check(kernel, t.device == device, f"{name} is on {t.device}, not {device}")
-            check(kernel, t.is_contiguous(), f"{name} must be contiguous")
+            chk(t.device == device, f"{name} is on {t.device}, not {device}")
+            chk(t.is_contiguous(), f"{name} must be contiguous")
 
 
-def check_attention(kernel: str, dims: tuple, q, k, v, k_cache, v_cache, rope_theta) -> int:
+def check_attention(chk, dims: tuple, q, k, v, k_cache, v_cache, rope_theta) -> int:
     """The inputs of both attention launchers: q (*dims, Hq, Dh), k and v (*dims, Hkv, Dh),
     caches (S, L, Hkv, Dh), one float dtype, one device, unit last-dim strides. Returns Hkv."""
     ts = (q, k, v, k_cache, v_cache)
     names, got = ", ".join(dims), "got " + ", ".join(str(tuple(t.shape)) for t in ts)
-    check(kernel, q.dim() == k.dim() == v.dim() == len(dims) + 2,
-          f"q, k, v must be ({names}, H, Dh), {got}")
+    chk(q.dim() == k.dim() == v.dim() == len(dims) + 2, f"q, k, v must be ({names}, H, Dh), {got}")
     *lead, Hq, Dh = q.shape
     Hkv = k.shape[-2]
-    check(kernel, k.shape == (*lead, Hkv, Dh) == v.shape, f"k, v must be ({names}, Hkv, Dh), {got}")
-    check(kernel, Hkv > 0 and Hq % Hkv == 0, f"Hq={Hq} must be a multiple of Hkv={Hkv}")
-    check(kernel, k_cache.dim() == 4 and k_cache.shape[2:] == (Hkv, Dh),
-          f"k_cache, v_cache must be (S, L, {Hkv}, {Dh}), {got}")
-    check(kernel, v_cache.shape == k_cache.shape, f"k_cache and v_cache differ, {got}")
+    chk(k.shape == (*lead, Hkv, Dh) == v.shape, f"k, v must be ({names}, Hkv, Dh), {got}")
+    chk(Hkv > 0 and Hq % Hkv == 0, f"Hq={Hq} must be a multiple of Hkv={Hkv}")
+    chk(k_cache.dim() == 4 and k_cache.shape[2:] == (Hkv, Dh) and v_cache.shape == k_cache.shape,
+        f"k_cache, v_cache must be (S, L, {Hkv}, {Dh}), {got}")
     dtypes = [t.dtype for t in ts]
     one_float = len(set(dtypes)) == 1 and q.dtype in (torch.float32, torch.float16, torch.bfloat16)
-    check(kernel, one_float, f"q, k, v, k_cache, v_cache need one dtype, fp32/fp16/bf16: {dtypes}")
-    check(kernel, len({t.device for t in ts}) == 1, "all tensors must be on one device")
-    check(kernel, all(t.stride(-1) == 1 for t in ts), "q, k, v and the caches need unit stride")
-    check(kernel, rope_theta is None or Dh % 2 == 0, f"RoPE needs an even head dim, got {Dh}")
+    chk(one_float, f"q, k, v, k_cache, v_cache need one dtype, fp32, fp16 or bf16, got {dtypes}")
+    chk(len({t.device for t in ts}) == 1, "all tensors must be on one device")
+    chk(all(t.stride(-1) == 1 for t in ts), "q, k, v and caches need unit stride on dim -1")
+    chk(rope_theta is None or Dh % 2 == 0, f"RoPE needs an even head dim, got {Dh}")
     return Hkv
 
 
-def check_mamba_params(kernel: str, device, C, H, G, conv_w, conv_b, dt_bias, A_log, D):
+def check_mamba_params(chk, device, C, H, G, conv_w, conv_b, dt_bias, A_log, D) -> int:
     """Both Mamba launchers' layer parameters, contiguous on device: conv_w (C, W >= 2),
     conv_b (C,) or None, dt_bias, A_log, D (H,); and G groups dividing the H heads. Returns W."""
-    check(kernel, G >= 1 and H % G == 0, f"H={H} not divisible by n_groups={G}")
+    chk(G >= 1 and H % G == 0, f"H={H} not divisible by n_groups={G}")
     W = conv_w.shape[-1]
-    check(kernel, conv_w.dim() == 2 and conv_w.shape[0] == C and W >= 2,
-          f"conv_weight must be (C={C}, W>=2), got {tuple(conv_w.shape)}")
-    check(kernel, conv_b is None or conv_b.shape == (C,), "conv_bias must be (C,) or None")
+    chk(conv_w.dim() == 2 and conv_w.shape[0] == C and W >= 2,
+        f"conv_weight must be (C={C}, W>=2), got {tuple(conv_w.shape)}")
+    chk(conv_b is None or conv_b.shape == (C,), "conv_bias must be (C,) or None")
     for name, t in (("dt_bias", dt_bias), ("A_log", A_log), ("D", D)):
-        check(kernel, t.shape == (H,), f"{name} must be (H={H},), got {tuple(t.shape)}")
-    check_placed(kernel, device, conv_weight=conv_w, conv_bias=conv_b, dt_bias=dt_bias,
-                 A_log=A_log, D=D)
+        chk(t.shape == (H,), f"{name} must be (H={H},), got {tuple(t.shape)}")
+    check_placed(chk, device, conv_weight=conv_w, conv_bias=conv_b,
+                 dt_bias=dt_bias, A_log=A_log, D=D)
     return W
 
 
-def check_verdict(kernel: str, logits, drafts, num_drafts):
+def check_verdict(chk, logits, drafts, num_drafts):
     """The inputs both verdicts share: logits (B, K, V) float, drafts (B, K-1) and num_drafts (B,)
     integer on logits' device, num_drafts contiguous (read at offset b). Returns B, K, V."""
-    check(kernel, logits.dim() == 3, f"logits must be (B, K, V), got {tuple(logits.shape)}")
+    chk(logits.dim() == 3, f"logits must be (B, K, V), got {tuple(logits.shape)}")
     Bsz, K, V = logits.shape
-    check(kernel, K >= 1 and V >= 1, f"logits needs K >= 1 and V >= 1, got {tuple(logits.shape)}")
-    check(kernel, logits.is_floating_point(), f"logits must be floating point, got {logits.dtype}")
+    chk(K >= 1 and V >= 1, f"logits needs K >= 1 and V >= 1, got {tuple(logits.shape)}")
+    chk(logits.is_floating_point(), f"logits must be floating point, got {logits.dtype}")
     for name, t, shape in (("drafts", drafts, (Bsz, K - 1)), ("num_drafts", num_drafts, (Bsz,))):
-        check(kernel, t.shape == shape and not t.is_floating_point(),
-              f"{name} must be an integer {shape} tensor, got {t.dtype} {tuple(t.shape)}")
-        check(kernel, t.device == logits.device, f"{name} is not on logits' device")
-    check(kernel, num_drafts.is_contiguous(), "num_drafts must be contiguous")
+        chk(t.shape == shape and not t.is_floating_point(),
+            f"{name} must be an integer {shape} tensor, got {t.dtype} {tuple(t.shape)}")
+        chk(t.device == logits.device, f"{name} is on {t.device}, logits on {logits.device}")
+    chk(num_drafts.is_contiguous(), "num_drafts must be contiguous")
     return Bsz, K, V
 
 

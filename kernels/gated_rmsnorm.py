@@ -6,14 +6,12 @@ The Triton version runs one program per (row, group): y and z of the group are
 read once, the output written once; all math in fp32, the normalised group
 rounds to z's dtype before the weight as in the reference.
 """
-import functools
-
 import torch
 import torch.nn.functional as F
 
-from kernels.common import check, rms_normalize, tl, triton
+from kernels.common import checker, rms_normalize, tl, triton
 
-_check = functools.partial(check, "gated_rmsnorm")
+_check = checker("gated_rmsnorm")
 
 
 @triton.jit

@@ -1,21 +1,14 @@
 """One row per sequence: out[b] = src[b, idx[b]], src (B, K, D), idx (B,) -> out (B, D).
 
-What it is for: the stash-slot hidden save of the MTP proposer. After a verify over
-K rows, the MTP catch-up runs over the K verified rows of every sequence and gives
-its outputs (B, K, D); the row at the last accepted position, idx[b] = na[b], is
-the one that seeds the next drafts, so it is taken out here while na stays on the
-device (no host sync on the verdict).
-
-The kernel is a strided copy: program (b, i) reads block i (BLOCK_D elements) of
-row idx[b] of batch entry b and writes it to out[b].
+It takes the MTP proposer's seed: of the catch-up outputs (B, K, D) over the K verified rows, the
+row at the last accepted position idx[b] = na[b], with na left on the device (no host sync).
+Program (b, i) copies block i (BLOCK_D elements) of that row to out[b].
 """
-import functools
-
 import torch
 
-from kernels.common import check, tl, triton
+from kernels.common import check_placed, checker, tl, triton
 
-_check = functools.partial(check, "gather_rows")
+_check = checker("gather_rows")
 
 
 @triton.jit
@@ -30,16 +23,13 @@ def _gather_rows_kernel(p_src, p_idx, p_out, D, s_src_b, s_src_k, s_out_b, BLOCK
 
 
 def gather_rows(src, idx):
-    """Triton version of gather_rows_ref: src (B, K, D) with unit last-dim stride, idx (B,) contiguous
-    integer on src's device -> new contiguous (B, D). idx must lie in [0, K) (not checked: that would
-    need a host sync)."""
+    """Triton version of gather_rows_ref; idx must lie in [0, K) (not checked: a host sync)."""
     _check(src.dim() == 3, f"src must be (B, K, D), got {tuple(src.shape)}")
     Bsz, K, D = src.shape
     _check(idx.shape == (Bsz,) and not idx.is_floating_point() and idx.dtype != torch.bool,
            f"idx must be an integer tensor of shape ({Bsz},), got {idx.dtype} {tuple(idx.shape)}")
-    _check(idx.device == src.device, f"idx on {idx.device} but src on {src.device}")
     _check(src.stride(-1) == 1, "src must have a unit stride in its last dim")
-    _check(idx.is_contiguous(), "idx must be contiguous")  # the kernel reads idx[b] at offset b
+    check_placed(_check, src.device, idx=idx)
     out = torch.empty((Bsz, D), dtype=src.dtype, device=src.device)
     if Bsz == 0 or D == 0:
         return out

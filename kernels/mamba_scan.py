@@ -27,18 +27,16 @@ the latter recomputed by every head block of the group):
 
 `mamba_scan(..., method="auto")` picks chunked on CUDA for T >= 2*Q, else recurrent.
 """
-import functools
-
 import torch
 
-from kernels.common import (check, check_mamba_params, conv_silu_ref, load_conv_taps,
+from kernels.common import (check_mamba_params, checker, conv_silu_ref, load_conv_taps,
                             load_head_params, mamba_dt_ref, softplus, split_xbc, ssm_step_ref,
                             tl, triton)
 
 INF = float("inf")
 CHUNK = 32  # Q: tokens per chunk of the SSD form (tl.dot wants >= 16; 64 spills on sm_90 with N = 128)
 
-_check = functools.partial(check, "mamba_scan")
+_check = checker("mamba_scan")
 
 
 @triton.jit
@@ -187,8 +185,7 @@ def mamba_scan(xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, n_groups: int
     T, C = xBC.shape
     H, P, G = dt.shape[1], head_dim, n_groups
     _check(dt.shape[0] == T and dt.device == xBC.device, f"dt must have xBC's {T} rows and device")
-    W = check_mamba_params("mamba_scan", xBC.device, C, H, G, conv_weight, conv_bias,
-                           dt_bias, A_log, D)
+    W = check_mamba_params(_check, xBC.device, C, H, G, conv_weight, conv_bias, dt_bias, A_log, D)
     _check(P >= 1 and C > H * P and (C - H * P) % (2 * G) == 0, f"C={C} is not H*P={H * P} + 2*G*N")
     N = (C - H * P) // (2 * G)
     _check((xBC.stride(1) == 1 and dt.stride(1) == 1) or T == 0, "xBC and dt need unit stride on the last dim")

@@ -24,16 +24,15 @@ The Triton version is two launches:
     every head block of that group; no program of the first launch could know
     that all the others have read the old window, so the update comes after it.
 """
-import functools
-
 import torch
 
-from kernels.common import (check, check_mamba_params, check_placed, conv_silu_ref, load_conv_taps,
-                            load_head_params, mamba_dt_ref, softplus, split_xbc, tl, triton)
+from kernels.common import (check_mamba_params, check_placed, checker, conv_silu_ref,
+                            load_conv_taps, load_head_params, mamba_dt_ref, softplus, split_xbc,
+                            tl, triton)
 
 INF = float("inf")
 
-_check = functools.partial(check, "mamba_verify")
+_check = checker("mamba_verify")
 
 
 @triton.jit
@@ -152,8 +151,7 @@ def mamba_verify(xBC, dt, conv_state, ssm_state, slot_ids, conv_weight, conv_bia
     Bsz, K, C = xBC.shape
     S, H, P, N = ssm_state.shape
     G = n_groups
-    W = check_mamba_params("mamba_verify", xBC.device, C, H, G, conv_weight, conv_bias,
-                           dt_bias, A_log, D)
+    W = check_mamba_params(_check, xBC.device, C, H, G, conv_weight, conv_bias, dt_bias, A_log, D)
     _check(C == H * P + 2 * G * N, f"C={C} != H*P + 2*G*N = {H * P + 2 * G * N}")
     for name, t, shape in (("dt", dt, (Bsz, K, H)), ("slot_ids", slot_ids, (Bsz,)),
                            ("conv_state", conv_state, (S, C, W - 1)),
@@ -167,7 +165,7 @@ def mamba_verify(xBC, dt, conv_state, ssm_state, slot_ids, conv_weight, conv_bia
     _check(conv_stash.dtype == conv_state.dtype, "conv_stash must have conv_state's dtype")
     _check(xBC.stride(-1) == dt.stride(-1) == 1, "xBC and dt need unit stride on the last dim")
     _check(dt.device == xBC.device, "dt must be on xBC's device")
-    check_placed("mamba_verify", xBC.device, conv_state=conv_state, ssm_state=ssm_state,
+    check_placed(_check, xBC.device, conv_state=conv_state, ssm_state=ssm_state,
                  ssm_stash=ssm_stash, conv_stash=conv_stash, slot_ids=slot_ids)
 
     y = torch.empty(Bsz, K, H, P, device=xBC.device, dtype=xBC.dtype)

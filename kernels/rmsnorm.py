@@ -3,22 +3,15 @@
     h = residual + multiplier * x      (or h = x without a residual)
     y = weight * h / sqrt(mean(h^2) + eps)      computed in fp32
 
-Returns (y, h): the decoder loop keeps h as the residual stream and feeds y to
-the next mixer or MLP, so one pass over the row does both.
-
-The Triton version runs one program per row of D elements: the row is read once
-(x and residual), h is written once (only with a residual) and y once. Roundings
-follow the reference's dtypes: multiplier * x and the add round to x's dtype,
-the normalised row rounds to h's dtype before the weight, y has
-promote(weight, h) dtype.
+Returns (y, h): the decoder loop keeps h as the residual stream and feeds y to the next mixer
+or MLP, so one pass over the row does both. The Triton version runs one program per row of D
+elements and rounds as the reference's dtypes do.
 """
-import functools
-
 import torch
 
-from kernels.common import check, rms_normalize, tl, triton
+from kernels.common import checker, rms_normalize, tl, triton
 
-_check = functools.partial(check, "rmsnorm")
+_check = checker("rmsnorm")
 
 
 @triton.jit
@@ -36,17 +29,14 @@ def _rmsnorm_kernel(p_x, p_res, p_w, p_y, p_h, D, eps, multiplier, stride_x, str
         tl.store(p_h + i_m * D + o_d, b_h, mask=m_d)
     else:
         b_h = b_x
-    b_hf = b_h.to(tl.float32)
-    b_n = rms_normalize(b_hf, D, eps, ty)
+    b_n = rms_normalize(b_h.to(tl.float32), D, eps, ty)
     b_w = tl.load(p_w + o_d, mask=m_d, other=0.0).to(tl.float32)
     tl.store(p_y + i_m * D + o_d, (b_w * b_n).to(p_y.dtype.element_ty), mask=m_d)
 
 
 def rmsnorm(x, weight, eps: float, residual=None, multiplier: float = 1.0):
-    """Triton version of rmsnorm_ref: x (..., D) with unit last-dim stride (rows are reshaped, so
-    leading dims that cannot be flattened without a copy are copied), weight (D,) contiguous,
-    residual like x or None -> (y, h), both new contiguous (..., D) tensors (h is x itself
-    without a residual, as in the reference)."""
+    """Triton version of rmsnorm_ref. x and residual need a unit last-dim stride (other dims are
+    flattened, copied if need be); y and a residual's h are new contiguous tensors."""
     _check(x.dim() >= 1 and x.is_floating_point(), "x must be a float (..., D) tensor")
     D = x.shape[-1]
     _check(tuple(weight.shape) == (D,) and weight.is_contiguous(), f"weight must be a contiguous (D={D},) tensor")

@@ -14,13 +14,11 @@ and `_row_stats_kernel` walks one chunk keeping a running max and its first inde
 Splitting V gives a batch of one sequence enough programs to use the whole device
 when V is 100k+; the split count depends on shapes only.
 """
-import functools
-
 import torch
 
-from kernels.common import check, check_verdict, split_chunks, tl, triton
+from kernels.common import check_verdict, checker, split_chunks, tl, triton
 
-_check = functools.partial(check, "verdict_greedy")
+_check = checker("verdict_greedy")
 
 
 @triton.jit
@@ -76,7 +74,7 @@ def _verdict_kernel(
 
 def _verdict_greedy(logits, drafts, num_drafts, block_v=None, num_splits=None):
     """verdict_greedy with the tile and split sizes exposed (tests force several of each)."""
-    Bsz, K, V = check_verdict("verdict_greedy", logits, drafts, num_drafts)
+    Bsz, K, V = check_verdict(_check, logits, drafts, num_drafts)
     _check(logits.stride(-1) == 1, "logits must have a unit stride in its last dim")
     dev = logits.device
     picks = torch.empty((Bsz, K), dtype=torch.int64, device=dev)

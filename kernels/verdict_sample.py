@@ -27,13 +27,11 @@ steps. The total is the last element of the kernel's own scan (not a separate su
 the search and the threshold are consistent and a draw never runs past the last token
 with mass except where the reference would too.
 """
-import functools
-
 import torch
 
-from kernels.common import check, check_verdict, tl, triton
+from kernels.common import check_verdict, checker, tl, triton
 
-_check = functools.partial(check, "verdict_sample")
+_check = checker("verdict_sample")
 
 
 @triton.jit
@@ -112,7 +110,7 @@ def _verdict_sample_kernel(
 
 def _verdict_sample(logits, draft_probs, drafts, num_drafts, uniforms, temperature, top_k, top_p, block_v=None):
     """verdict_sample with the V tile exposed (tests force several tiles)."""
-    Bsz, K, V = check_verdict("verdict_sample", logits, drafts, num_drafts)
+    Bsz, K, V = check_verdict(_check, logits, drafts, num_drafts)
     _check(draft_probs.shape == (Bsz, K - 1, V) and draft_probs.is_floating_point(),
            f"draft_probs must be float ({Bsz}, {K - 1}, {V}), got {draft_probs.dtype} {tuple(draft_probs.shape)}")
     _check(uniforms.shape == (Bsz, K) and uniforms.dtype in (torch.float32, torch.float64),
