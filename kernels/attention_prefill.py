@@ -2,12 +2,7 @@
 
     q (T, Hq, Dh), k, v (T, Hkv, Dh) at positions 0..T-1; query head i reads KV head i // (Hq/Hkv);
     scores = scale * q k^T (scale is the checkpoint's attention_multiplier), causal; RoPE on q and k
-    when rope_theta is set (k is cached rotated).
-
-RoPE (rotate-half layout, as kernels.common.apply_rope_ref), for d < Dh/2 with f_d = theta^(-2d/Dh):
-
-    x'[d]        = x[d] cos(t f_d) - x[d + Dh/2] sin(t f_d)
-    x'[d + Dh/2] = x[d + Dh/2] cos(t f_d) + x[d] sin(t f_d)
+    when rope_theta is set (k is cached rotated; the formula is at kernels.common.apply_rope_ref).
 
 Flash attention (online softmax): a block of query rows walks the key blocks left to right keeping,
 per row, the running max m, the running denominator l and the unnormalised output acc:

@@ -1,9 +1,8 @@
-"""Small pieces shared by several kernels: the triton import (or its stand-in), RoPE,
-the Mamba2 time step, the conv, one SSM step (torch, for the references); the
-launchers' input check and block sizes; and softplus, the RMS normalisation,
-RoPE/conv/head parameter loads and the online-softmax update (Triton, for the kernels).
-
-Shapes use the glossary of docs/DESIGN.md §1: T tokens, H Mamba heads, Dh head dim.
+"""Pieces shared by several kernels: the triton import (or its stand-in); the launchers'
+input checks, block sizes and split counts; softplus, the RMS normalisation, RoPE/conv/head
+parameter loads and the online-softmax update (Triton, for the kernels); RoPE, the Mamba2
+time step, the conv and one SSM step (torch, for the references). Shapes use the glossary
+of docs/DESIGN.md §1: T tokens, H Mamba heads, Dh head dim.
 
 Triton is optional: kernel files take `triton` and `tl` from here, the real modules
 or, without triton (macOS, Windows), a stand-in under which the references run.
@@ -210,24 +209,22 @@ def rope_inv_freq(head_dim: int, theta: float | None, device) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float):
-    """cos, sin of shape (*positions.shape, Dh) in fp32 (rotate-half layout)."""
-    inv_freq = rope_inv_freq(head_dim, theta, positions.device)  # (Dh/2,)
-    freqs = positions.to(torch.float32)[..., None] * inv_freq  # (..., Dh/2)
-    emb = torch.cat((freqs, freqs), dim=-1)  # (..., Dh)
-    return emb.cos(), emb.sin()
-
-
 def apply_rope_ref(x: torch.Tensor, positions: torch.Tensor, theta: float | None) -> torch.Tensor:
-    """Rotate x (..., T, heads, Dh) by positions (..., T); identity when theta is None (NoPE)."""
+    """Rotate x (..., T, heads, Dh) by positions (..., T); identity when theta is None (NoPE).
+    Rotate-half RoPE, for d < Dh/2 with f_d = theta^(-2d/Dh):
+
+        x'[d]        = x[d] cos(t f_d) - x[d + Dh/2] sin(t f_d)
+        x'[d + Dh/2] = x[d + Dh/2] cos(t f_d) + x[d] sin(t f_d)
+    """
     if theta is None:
         return x
-    cos, sin = rope_cos_sin(positions, x.shape[-1], theta)
-    cos, sin = cos[..., None, :], sin[..., None, :]  # broadcast over heads
+    inv_freq = rope_inv_freq(x.shape[-1], theta, positions.device)  # (Dh/2,)
+    freqs = positions.float()[..., None, None] * inv_freq  # (..., T, 1, Dh/2): broadcast over heads
+    angle = torch.cat((freqs, freqs), dim=-1)  # (..., T, 1, Dh), rotate-half layout
     xf = x.float()
     half = x.shape[-1] // 2
     rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
-    return (xf * cos + rotated * sin).to(x.dtype)
+    return (xf * angle.cos() + rotated * angle.sin()).to(x.dtype)
 
 
 def mamba_dt_ref(dt: torch.Tensor, dt_bias: torch.Tensor, dt_limit: tuple[float, float]) -> torch.Tensor:
@@ -236,17 +233,14 @@ def mamba_dt_ref(dt: torch.Tensor, dt_bias: torch.Tensor, dt_limit: tuple[float,
 
 
 def conv_silu_ref(window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """Causal depthwise conv1d + SiLU over a window of conv inputs.
-
-    window (..., C, W-1+L): the W-1 inputs before the first output, then the L new inputs.
-    weight (C, W), bias (C,) or None -> (..., L, C) in fp32.
-    """
+    """Causal depthwise conv1d + SiLU: window (..., C, W-1+L), the W-1 inputs before the first
+    output then the L new ones; weight (C, W), bias (C,) or None -> (..., L, C) in fp32."""
     W = weight.shape[-1]
     taps = window.float().unfold(-1, W, 1)  # (..., C, L, W): taps[..., c, l, :] = inputs l .. l+W-1
     out = (taps * weight.float()[:, None, :]).sum(-1)  # (..., C, L)
     if bias is not None:
         out = out + bias.float()[:, None]
-    return torch.nn.functional.silu(out).transpose(-1, -2)
+    return F.silu(out).transpose(-1, -2)
 
 
 def ssm_step_ref(state, x, B, C, dt, A, D):

@@ -1,10 +1,5 @@
-"""Mamba2 prefill: conv1d + SiLU, dt, and the SSM recurrence over the T tokens of
-one prompt, starting from zero state.
-
-Returns y (T, H, P) with the D skip, the final ssm state (H, P, N) fp32 and the
-final conv window (C, W-1): the last W-1 conv inputs, zeros where T < W-1.
-
-Per head h of group g, with a_t = dt_t A_h (a log decay, <= 0):
+"""Mamba2 prefill: conv1d + SiLU, dt, and the SSM recurrence over the T tokens of one prompt,
+from zero state. Per head h of group g, with a_t = dt_t A_h (a log decay, <= 0):
 
     S_t = exp(a_t) S_{t-1} + dt_t x_t B_t^T,    y_t = S_t C_t + D_h x_t        (recurrent form)
 
@@ -24,8 +19,6 @@ the latter recomputed by every head block of the group):
     The chunks of a head are walked in order inside the program (state passing in
     registers), so one launch does intra-chunk outputs, chunk states, state passing
     and the chunk output. Matmuls use fp32 ("ieee") precision to match the reference.
-
-`mamba_scan(..., method="auto")` picks chunked on CUDA for T >= 2*Q, else recurrent.
 """
 import torch
 
@@ -212,7 +205,8 @@ def mamba_scan(xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, n_groups: int
 def mamba_scan_ref(xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, n_groups: int, head_dim: int,
                    dt_limit=(0.0, INF)):
     """xBC (T, C) conv inputs, dt (T, H) raw time steps; conv_weight (C, W), conv_bias (C,) or None,
-    dt_bias, A_log, D (H,) -> (y (T, H, P) in xBC's dtype, ssm_state (H, P, N) fp32, conv_window (C, W-1))."""
+    dt_bias, A_log, D (H,) -> (y (T, H, P) with the D skip, in xBC's dtype; final ssm_state
+    (H, P, N) fp32; final conv window (C, W-1): the last W-1 conv inputs, zeros where T < W-1)."""
     T, C = xBC.shape
     H, W = dt.shape[-1], conv_weight.shape[-1]
     window = torch.cat([xBC.new_zeros(C, W - 1), xBC.t()], dim=-1)  # (C, W-1+T)

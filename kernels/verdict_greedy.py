@@ -3,8 +3,6 @@
 For logits (B, K, V): picks[b, j] = argmax (the first maximal index on ties) and
 na[b] = the number of leading drafts equal to the pick of their row, clamped to
 num_drafts[b] (the valid drafts; the rest of the (B, K-1) drafts are padding).
-(Log-probabilities are not computed here: the engine computes them from the logits
-only when a request asks for them.)
 
 One read of the logits: each row is cut into SPLITS chunks of whole BLOCK_V tiles
 and `_row_stats_kernel` walks one chunk keeping a running max and its first index
