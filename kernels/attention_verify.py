@@ -1,11 +1,8 @@
 """Attention for B sequences x K query rows, each sequence at its own length.
 
-Row j of sequence b sits at position seq_lens[b] + j. The K new K/V rows are
-appended to the slot's cache (rotated by RoPE on the way in when enabled), then
-each query attends to cache positions 0 .. seq_lens[b] + j (the rows of the same
-step up to its own included). K = 1 is plain decode.
-
-The kernel splits the keys of row (b, j) in two parts:
+Row j of sequence b sits at position seq_lens[b] + j. The K new K/V rows are appended to the
+slot's cache (RoPE-rotated when enabled), then row j attends to cache positions
+0 .. seq_lens[b] + j. K = 1 is plain decode. The kernel splits the keys of row (b, j) in two:
 
     old keys  n < seq_lens[b]          read from the cache, visible to every row of the step
     new keys  seq_lens[b] + j', j' <= j  the K rows of this step, rotated in registers

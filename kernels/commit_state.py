@@ -1,8 +1,7 @@
 """Commit the Mamba state to the accepted prefix, all layers and sequences at once.
 
-After a verify over K rows every Mamba layer's live state is the state after
-row K-1. When a sequence accepted na < K-1 drafts, its state must be the one
-after row na instead:
+After a verify over K rows each Mamba layer's live state is the one after row K-1; a sequence
+that accepted na < K-1 drafts needs the one after row na instead:
 
     ssm_state[l, s]  <- ssm_stash[l, b, na]                  (H, P, N)
     conv_state[l, s] <- conv_stash[l, b, :, na+1 : na+W]     (C, W-1): the last W-1 inputs up to row na

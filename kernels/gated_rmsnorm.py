@@ -2,14 +2,13 @@
 
     u = y * silu(z);  u_g = u_g / sqrt(mean(u_g^2) + eps) for each group g of size d_in/G;  out = weight * u
 
-The Triton version runs one program per (row, group): y and z of the group are
-read once, the output written once; all math in fp32, the normalised group
-rounds to z's dtype before the weight as in the reference.
+The Triton version runs one program per (row, group), all math in fp32; the normalised
+group rounds to z's dtype before the weight, as in the reference.
 """
 import torch
 import torch.nn.functional as F
 
-from kernels.common import checker, rms_normalize, tl, triton
+from kernels.common import check_placed, checker, rms_normalize, tl, triton
 
 _check = checker("gated_rmsnorm")
 
@@ -36,8 +35,9 @@ def gated_rmsnorm(y, z, weight, group_size: int, eps: float):
     _check(y.shape == z.shape and y.dim() >= 1, f"y {tuple(y.shape)} and z {tuple(z.shape)} must be the same (..., d_in)")
     d_in = z.shape[-1]
     _check(group_size >= 1 and d_in % group_size == 0, f"d_in={d_in} not divisible by group_size={group_size}")
-    _check(tuple(weight.shape) == (d_in,) and weight.is_contiguous(), f"weight must be a contiguous (d_in={d_in},) tensor")
-    _check(y.device == z.device == weight.device, "y, z and weight must be on one device")
+    _check(weight.shape == (d_in,), f"weight must be (d_in={d_in},), got {tuple(weight.shape)}")
+    _check(y.device == z.device, "y and z must be on one device")
+    check_placed(_check, z.device, weight=weight)
     _check(y.is_floating_point() and z.is_floating_point(), "y and z must be float tensors")
     _check((y.stride(-1) == 1 and z.stride(-1) == 1) or y.numel() == 0, "y and z need unit stride on the last dim")
     out = torch.empty(z.shape, dtype=torch.promote_types(weight.dtype, z.dtype), device=z.device)

@@ -9,7 +9,7 @@ elements and rounds as the reference's dtypes do.
 """
 import torch
 
-from kernels.common import checker, rms_normalize, tl, triton
+from kernels.common import check_placed, checker, rms_normalize, tl, triton
 
 _check = checker("rmsnorm")
 
@@ -39,19 +39,18 @@ def rmsnorm(x, weight, eps: float, residual=None, multiplier: float = 1.0):
     flattened, copied if need be); y and a residual's h are new contiguous tensors."""
     _check(x.dim() >= 1 and x.is_floating_point(), "x must be a float (..., D) tensor")
     D = x.shape[-1]
-    _check(tuple(weight.shape) == (D,) and weight.is_contiguous(), f"weight must be a contiguous (D={D},) tensor")
-    _check(x.stride(-1) == 1 or x.numel() == 0, "x needs unit stride on the last dim")
-    _check(weight.device == x.device, "weight must be on x's device")
-    if residual is not None:
-        _check(residual.shape == x.shape and residual.dtype == x.dtype and residual.device == x.device,
-               f"residual must match x: {tuple(x.shape)} {x.dtype}")
-        _check(residual.stride(-1) == 1 or x.numel() == 0, "residual needs unit stride on the last dim")
+    _check(weight.shape == (D,), f"weight must be (D={D},), got {tuple(weight.shape)}")
+    check_placed(_check, x.device, weight=weight)
+    r = x if residual is None else residual
+    _check(r.shape == x.shape and r.dtype == x.dtype and r.device == x.device,
+           f"residual must match x: {tuple(x.shape)} {x.dtype}")
+    _check(x.stride(-1) == r.stride(-1) == 1 or x.numel() == 0, "x and residual need unit stride")
     x2 = x.reshape(-1, D)
     y = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     h = x if residual is None else torch.empty_like(x, memory_format=torch.contiguous_format)
     if x2.shape[0] == 0 or D == 0:
         return y, h
-    r2 = residual.reshape(-1, D) if residual is not None else x2
+    r2 = x2 if residual is None else residual.reshape(-1, D)
     BLOCK_D = triton.next_power_of_2(D)
     _rmsnorm_kernel[(x2.shape[0],)](
         x2, r2, weight, y, h, D, float(eps), float(multiplier), x2.stride(0), r2.stride(0),

@@ -4,13 +4,11 @@ For logits (B, K, V): picks[b, j] = argmax (the first maximal index on ties) and
 na[b] = the number of leading drafts equal to the pick of their row, clamped to
 num_drafts[b] (the valid drafts; the rest of the (B, K-1) drafts are padding).
 
-One read of the logits: each row is cut into SPLITS chunks of whole BLOCK_V tiles
-and `_row_stats_kernel` walks one chunk keeping a running max and its first index
-(the argmax moves only on a strictly larger block max, so ties keep the first index).
-`_verdict_kernel` (one program per sequence) merges the SPLITS partials of its K rows
-(on equal maxima the smaller index wins) and counts the leading drafts that match.
-Splitting V gives a batch of one sequence enough programs to use the whole device
-when V is 100k+; the split count depends on shapes only.
+One read of the logits: `_row_stats_kernel` walks one of the SPLITS chunks of a row keeping a
+running max and its first index; `_verdict_kernel` (one program per sequence) merges the
+partials of its K rows and counts the leading drafts that match. Ties keep the first index in
+both. Splitting V gives even one sequence enough programs for the device when V is 100k+;
+the split count depends on shapes only.
 """
 import torch
 
