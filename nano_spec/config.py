@@ -9,27 +9,20 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-MAMBA_NAMES = ("mamba", "linear_attention")
-ATTENTION_NAMES = ("attention", "full_attention")
+LAYER_TYPES = {"mamba": "mamba", "linear_attention": "mamba",  # the names either library writes
+               "attention": "attention", "full_attention": "attention"}
 
-# Sizes beyond these are refused before anything is allocated.
-LIMITS = {
-    "vocab_size": 4_000_000,
-    "hidden_size": 65_536,
-    "num_hidden_layers": 1_024,
-    "num_attention_heads": 1_024,
-    "num_key_value_heads": 1_024,
-    "shared_intermediate_size": 262_144,
-    "mamba_n_heads": 4_096,
-    "mamba_d_head": 4_096,
-    "mamba_n_groups": 1_024,
-    "mamba_d_state": 4_096,
-    "mamba_d_conv": 64,
-    "mamba_expand": 16,
-    "mamba_chunk_size": 65_536,
+LIMITS = {  # sizes beyond these are refused before anything is allocated
+    "vocab_size": 4_000_000, "hidden_size": 65_536, "num_hidden_layers": 1_024,
+    "num_attention_heads": 1_024, "num_key_value_heads": 1_024, "shared_intermediate_size": 262_144,
+    "mamba_n_heads": 4_096, "mamba_d_head": 4_096, "mamba_n_groups": 1_024, "mamba_d_state": 4_096,
+    "mamba_d_conv": 64, "mamba_expand": 16, "mamba_chunk_size": 65_536,
     "max_position_embeddings": 10_000_000,
 }
 REQUIRED = ("vocab_size", "hidden_size", "num_attention_heads", "shared_intermediate_size")
+MAMBA_SIZES = ("mamba_n_heads", "mamba_d_state", "mamba_d_conv", "mamba_n_groups", "mamba_expand")
+FLOATS = ("embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling",
+          "rms_norm_eps", "rope_theta")
 
 
 class ConfigError(ValueError):
@@ -99,8 +92,7 @@ class ModelConfig:
         return self.num_nextn_predict_layers > 0
 
     @property
-    def rope(self) -> float | None:
-        """rope_theta when RoPE is on, None for NoPE."""
+    def rope(self) -> float | None:  # rope_theta when RoPE is on, None for NoPE
         return self.rope_theta if self.position_embedding_type == "rope" else None
 
     @property
@@ -125,8 +117,7 @@ class ModelConfig:
         kw["layer_types"] = _layer_types(d)
         if kw.get("mamba_d_head", "auto") == "auto":
             kw.pop("mamba_d_head", None)
-        pos = d.get("position_embedding_type") or "nope"
-        kw["position_embedding_type"] = pos
+        kw["position_embedding_type"] = d.get("position_embedding_type") or "nope"
         rope = d.get("rope_parameters") or {}
         if "rope_theta" in rope:
             kw["rope_theta"] = rope["rope_theta"]
@@ -164,50 +155,43 @@ class ModelConfig:
             v = self.num_hidden_layers if name == "num_hidden_layers" else getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0 or v > cap:
                 raise ConfigError(f"{name}: {v!r} is not an integer in [0, {cap}]")
+        for name in FLOATS:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ConfigError(f"{name}: {v!r} is not a finite number")
         if self.num_key_value_heads == 0:
             self.num_key_value_heads = self.num_attention_heads
         if self.mamba_d_head == 0 and self.mamba_n_heads > 0:
             self.mamba_d_head = self.mamba_expand * self.hidden_size // self.mamba_n_heads
-        for name in ("vocab_size", "hidden_size", "num_attention_heads", "shared_intermediate_size"):
+        mamba = bool(self.mamba_layers)
+        for name in REQUIRED + (MAMBA_SIZES if mamba else ()):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be positive, got {getattr(self, name)}")
-        if self.num_hidden_layers < 1:
-            raise ConfigError("layer_types: the model needs at least one layer")
-        if self.hidden_size % self.num_attention_heads:
-            raise ConfigError(f"num_attention_heads: {self.num_attention_heads} does not divide "
-                              f"hidden_size {self.hidden_size}")
-        if self.num_attention_heads % max(self.num_key_value_heads, 1) or self.num_key_value_heads < 1:
-            raise ConfigError(f"num_key_value_heads: {self.num_key_value_heads} does not divide "
-                              f"num_attention_heads {self.num_attention_heads}")
-        if self.mamba_layers:
-            for name in ("mamba_n_heads", "mamba_d_state", "mamba_d_conv", "mamba_n_groups", "mamba_expand"):
-                if getattr(self, name) < 1:
-                    raise ConfigError(f"{name}: must be positive, got {getattr(self, name)}")
-            if self.mamba_d_head * self.mamba_n_heads != self.mamba_expand * self.hidden_size:
-                raise ConfigError(f"mamba_d_head: {self.mamba_n_heads} heads x {self.mamba_d_head} != "
-                                  f"mamba_expand * hidden_size = {self.mamba_expand * self.hidden_size}")
-            if self.mamba_n_heads % self.mamba_n_groups:
-                raise ConfigError(f"mamba_n_groups: {self.mamba_n_groups} does not divide "
-                                  f"mamba_n_heads {self.mamba_n_heads}")
-        if self.position_embedding_type not in ("nope", "rope"):
-            raise ConfigError(f"position_embedding_type: {self.position_embedding_type!r} is not 'nope' or 'rope'")
-        if self.rope is not None and self.head_dim % 2:
-            raise ConfigError(f"num_attention_heads: RoPE needs an even head dim, got {self.head_dim}")
-        if self.num_nextn_predict_layers not in (0, 1):
-            raise ConfigError(f"num_nextn_predict_layers: {self.num_nextn_predict_layers}; nano_spec's MTP head "
-                              "has one layer (0 or 1)")
+        # every size is now a positive integer: the rules below can divide by them
+        D, Hq, Hkv = self.hidden_size, self.num_attention_heads, self.num_key_value_heads
+        H, P, G, E = self.mamba_n_heads, self.mamba_d_head, self.mamba_n_groups, self.mamba_expand
+        pos, mtp = self.position_embedding_type, self.num_nextn_predict_layers
         lo, hi = self.time_step_limit
-        if not (0 <= lo <= hi):
-            raise ConfigError(f"time_step_limit: {self.time_step_limit} is not 0 <= lo <= hi")
-        for name in ("embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling",
-                     "rms_norm_eps", "rope_theta"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                raise ConfigError(f"{name}: {v!r} is not a finite number")
-        if self.logits_scaling == 0 or self.rms_norm_eps <= 0:
-            raise ConfigError("logits_scaling must be non-zero and rms_norm_eps positive")
-        if self.rope_theta <= 0:
-            raise ConfigError(f"rope_theta: {self.rope_theta!r} must be positive")
+        rules = (  # valid, the message naming the field
+            (self.num_hidden_layers >= 1, "layer_types: the model needs at least one layer"),
+            (D % Hq == 0, f"num_attention_heads: {Hq} does not divide hidden_size {D}"),
+            (Hq % Hkv == 0, f"num_key_value_heads: {Hkv} does not divide num_attention_heads {Hq}"),
+            (not mamba or H * P == E * D,
+             f"mamba_d_head: {H} heads x {P} != mamba_expand * hidden_size = {E * D}"),
+            (not mamba or H % G == 0, f"mamba_n_groups: {G} does not divide mamba_n_heads {H}"),
+            (pos in ("nope", "rope"), f"position_embedding_type: {pos!r} is not 'nope' or 'rope'"),
+            (self.rope is None or self.head_dim % 2 == 0,
+             f"num_attention_heads: RoPE needs an even head dim, got {self.head_dim}"),
+            (mtp in (0, 1),
+             f"num_nextn_predict_layers: {mtp}; nano_spec's MTP head has one layer (0 or 1)"),
+            (0 <= lo <= hi, f"time_step_limit: {self.time_step_limit} is not 0 <= lo <= hi"),
+            (self.logits_scaling != 0 and self.rms_norm_eps > 0,
+             "logits_scaling must be non-zero and rms_norm_eps positive"),
+            (self.rope_theta > 0, f"rope_theta: {self.rope_theta!r} must be positive"),
+        )
+        for valid, message in rules:
+            if not valid:
+                raise ConfigError(message)
         for e in self.eos_ids:
             if not (isinstance(e, int) and 0 <= e < self.vocab_size):
                 raise ConfigError(f"eos_token_id: {e!r} is not a token id below vocab_size {self.vocab_size}")
@@ -236,21 +220,17 @@ def _time_step_limit(v) -> tuple:
 
 def _layer_types(d: dict) -> list:
     types = d.get("layer_types") or d.get("layers_block_type")
-    n = d.get("num_hidden_layers")
     if types is None:
         raise ConfigError("layer_types: missing (a list of 'mamba'/'linear_attention' and "
                           "'attention'/'full_attention', one per layer)")
     if not isinstance(types, list):
         raise ConfigError(f"layer_types: expected a list, got {type(types).__name__}")
-    out = []
-    for i, t in enumerate(types):
-        if t in MAMBA_NAMES:
-            out.append("mamba")
-        elif t in ATTENTION_NAMES:
-            out.append("attention")
-        else:
-            raise ConfigError(f"layer_types[{i}]: unknown layer type {t!r} (expected one of "
-                              f"{MAMBA_NAMES + ATTENTION_NAMES})")
+    out = [LAYER_TYPES.get(t) if isinstance(t, str) else None for t in types]
+    if None in out:
+        i = out.index(None)
+        raise ConfigError(f"layer_types[{i}]: unknown layer type {types[i]!r} "
+                          f"(expected one of {tuple(LAYER_TYPES)})")
+    n = d.get("num_hidden_layers")
     if n is not None and n != len(out):
         raise ConfigError(f"num_hidden_layers: {n} but layer_types lists {len(out)} layers")
     return out
