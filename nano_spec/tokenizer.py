@@ -20,7 +20,6 @@ class Tokenizer:
         except Exception as e:  # tokenizers raises a bare Exception on a malformed file
             raise TokenizerError(f"{file}: cannot be read as a tokenizers file ({e})") from None
         self.eos_ids = cfg.eos_ids
-        self.bos_id = cfg.bos_token_id
         if self._tok.get_vocab_size() > cfg.vocab_size:
             raise TokenizerError(f"{file}: {self._tok.get_vocab_size()} tokens but the model has "
                                  f"vocab_size {cfg.vocab_size}")

@@ -1,15 +1,12 @@
 """Checkpoint loading and saving: config.json + safetensors, never pickle.
 
-A checkpoint directory holds config.json and either model.safetensors or a
-sharded model.safetensors.index.json (the layout transformers writes), and
-optionally mtp.safetensors: an MTP head trained for a base that had none
-(scripts/train_mtp.py), read together with the base files. Loading is strict:
-every tensor the config implies must be there exactly once with its shape, and
-nothing else may be.
-
-Loading reads one tensor at a time straight into the model's parameters, already
-in the target dtype and on the target device, so the peak memory is the model
-plus its largest stored tensor (not the stored checkpoint plus a converted copy).
+A checkpoint directory holds config.json and either model.safetensors or a sharded
+model.safetensors.index.json (the layout transformers writes), and optionally
+mtp.safetensors: an MTP head trained for a base that had none (scripts/train_mtp.py).
+Loading is strict: every tensor the config implies must be there exactly once with
+its shape, and nothing else may be. It reads one tensor at a time straight into the
+model's parameters, in the target dtype and on the target device, so the peak memory
+is the model plus its largest stored tensor (not the checkpoint plus a converted copy).
 """
 import json
 import os
@@ -51,11 +48,15 @@ def _shards(path: Path) -> list:
     return files + ([path / HEAD_FILE] if (path / HEAD_FILE).is_file() else [])
 
 
-def _open(shard: Path):
+def _use(shard: Path, read):
+    """read(the open file), with a missing or unreadable file reported by name."""
     if not shard.is_file():
         raise CheckpointError(f"{shard}: shard listed in the index is missing")
+    # One open per use: safetensors maps the file, and the pages a read touches stay resident
+    # until the file is closed, which would hold the whole stored checkpoint beside the model.
     try:
-        return safe_open(str(shard), framework="pt")
+        with safe_open(str(shard), framework="pt") as f:
+            return read(f)
     except (SafetensorError, OSError, RuntimeError, ValueError) as e:
         raise CheckpointError(f"{shard}: not a readable safetensors file (truncated or corrupt?): {e}") from None
 
@@ -65,32 +66,25 @@ def tensor_index(path) -> dict:
 
     A name stored in two files is refused: which copy would win is not something to guess.
     """
+    def header(f):
+        slices = {n: f.get_slice(n) for n in f.keys()}
+        return {n: (s.get_dtype(), tuple(s.get_shape())) for n, s in slices.items()}
+
     index, twice = {}, []
     for shard in _shards(Path(path)):
-        with _open(shard) as f:
-            for name in f.keys():
-                s = f.get_slice(name)
-                if name in index:
-                    twice.append(f"{name} ({index[name][0].name}, {shard.name})")
-                index[name] = (shard, s.get_dtype(), tuple(s.get_shape()))
+        for name, (dtype, shape) in _use(shard, header).items():
+            if name in index:
+                twice.append(f"{name} ({index[name][0].name}, {shard.name})")
+            index[name] = (shard, dtype, shape)
     if twice:
         raise CheckpointError(f"{path}: tensors stored more than once: {', '.join(sorted(twice))}")
     return index
 
 
-def _read(shard: Path, name: str) -> torch.Tensor:
-    # One open per tensor: safetensors maps the file, and the pages a read touches stay resident
-    # until the file is closed, which would hold the whole stored checkpoint beside the model.
-    try:
-        with _open(shard) as f:
-            return f.get_tensor(name)
-    except (SafetensorError, OSError, RuntimeError, ValueError) as e:
-        raise CheckpointError(f"{shard}: not a readable safetensors file (truncated or corrupt?): {e}") from None
-
-
 def read_tensors(path) -> dict:
     """All tensors of a checkpoint directory, by name, as stored (for tools and tests; load_model streams)."""
-    return {name: _read(shard, name) for name, (shard, _, _) in tensor_index(path).items()}
+    return {name: _use(shard, lambda f: f.get_tensor(name))
+            for name, (shard, _, _) in tensor_index(path).items()}
 
 
 def stored_dtype(path) -> torch.dtype:
@@ -116,21 +110,22 @@ def load_model(path, device="cpu", dtype=torch.float32, backend: str = "torch") 
     expected = {n: tuple(p.shape) for n, p in model.state_dict().items()}
     if cfg.tie_word_embeddings:
         stored.pop("lm_head.weight", None)  # some writers store the tied head too; it is the embedding
-    missing = sorted(set(expected) - set(stored))
-    unexpected = sorted(set(stored) - set(expected))
-    wrong = sorted(f"{n} {stored[n][2]} (expected {expected[n]})"
-                   for n in set(expected) & set(stored) if stored[n][2] != expected[n])
-    bad_dtype = sorted(n for n, (_, dt, _) in stored.items() if n in expected and dt not in STORED_DTYPES)
-    if missing or unexpected or wrong or bad_dtype:
-        parts = [f"{label}: {', '.join(names)}" for label, names in
-                 (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong),
-                  ("not a float dtype", bad_dtype)) if names]
-        raise CheckpointError(f"{path}: tensors do not match config.json; " + "; ".join(parts))
+    problems = {
+        "missing": set(expected) - set(stored),
+        "unexpected": set(stored) - set(expected),
+        "wrong shape": {f"{n} {s} (expected {expected[n]})" for n, (_, _, s) in stored.items()
+                        if n in expected and s != expected[n]},
+        "not a float dtype": {n for n, (_, dt, _) in stored.items()
+                              if n in expected and dt not in STORED_DTYPES},
+    }
+    if any(problems.values()):
+        raise CheckpointError(f"{path}: tensors do not match config.json; " + "; ".join(
+            f"{label}: {', '.join(sorted(names))}" for label, names in problems.items() if names))
     model = model.to(dtype).to_empty(device=device)  # uninitialised: every parameter is written below
     params = dict(model.named_parameters())
     with torch.no_grad():
         for name, (shard, _, _) in stored.items():
-            params[name].copy_(_read(shard, name))  # converts dtype and moves to device in one copy
+            params[name].copy_(_use(shard, lambda f: f.get_tensor(name)))  # dtype and device in one
     return model.eval()
 
 
