@@ -62,39 +62,32 @@ def weight_bytes(cfg: ModelConfig, dtype) -> int:
 def memory_parts(cfg: ModelConfig, max_batch: int, max_seq_len: int, num_drafts: int, dtype, weights: int) -> dict:
     """Bytes of the weights and of every cache and stash for these settings (nothing is allocated)."""
     K = num_drafts + 1
-    parts = {"weights": weights}
-    parts.update(cache_bytes(cfg, max_batch, max_seq_len + 2 * K, max_batch, K, dtype))
-    parts["draft_probs"] = max_batch * num_drafts * cfg.vocab_size * 4  # allocated on the first sampled request
-    return parts
+    caches = cache_bytes(cfg, max_batch, max_seq_len + 2 * K, max_batch, K, dtype)
+    probs = max_batch * num_drafts * cfg.vocab_size * 4  # allocated on the first sampled request
+    return {"weights": weights, **caches, "draft_probs": probs}
 
 
 def check_memory(cfg: ModelConfig, max_batch: int, max_seq_len: int, num_drafts: int, dtype, budget: int):
     """Refuse, before allocating anything, weights, caches and stashes that do not fit in the budget."""
-    K = num_drafts + 1
     parts = memory_parts(cfg, max_batch, max_seq_len, num_drafts, dtype, weight_bytes(cfg, dtype))
     need = sum(parts.values())
     if need > budget:
         detail = ", ".join(f"{k} {_size(v)}" for k, v in parts.items() if v)
-        raise ValueError(f"memory: max_batch={max_batch}, max_seq_len={max_seq_len}, K={K} need {_size(need)} of "
-                         f"weights and caches ({detail}) but the budget is {_size(budget)}; lower max_batch or "
-                         "max_seq_len")
+        raise ValueError(f"memory: max_batch={max_batch}, max_seq_len={max_seq_len}, "
+                         f"K={num_drafts + 1} need {_size(need)} of weights and caches ({detail}) "
+                         f"but the budget is {_size(budget)}; lower max_batch or max_seq_len")
     return need
 
 
 def default_max_seq_len(cfg: ModelConfig, max_batch: int, num_drafts: int, dtype, budget: int) -> int:
-    """The largest max_seq_len, at most max_position_embeddings, whose weights and caches fit in the budget.
+    """The largest max_seq_len, at most max_position_embeddings, whose weights and caches fit.
 
-    Only the KV caches grow with it, so the need is monotonic and a bisection finds the largest that fits.
-    When not even 2 fits, check_memory refuses with the numbers (max_batch is then what must go down).
-    """
+    Only the KV caches grow with it, so the need is monotonic and a bisection finds it. When not
+    even 2 fits it returns 2, which check_memory refuses with the numbers (max_batch is too big)."""
     weights = weight_bytes(cfg, dtype)
     fits = lambda n: sum(memory_parts(cfg, max_batch, n, num_drafts, dtype, weights).values()) <= budget  # noqa: E731
     lo, hi = 2, max(2, cfg.max_position_embeddings)
-    if fits(hi):
-        return hi
-    if not fits(lo):
-        check_memory(cfg, max_batch, lo, num_drafts, dtype, budget)
-    while lo < hi:  # fits(lo) holds, fits(hi) does not
+    while lo < hi:  # lo is 2 or fits, everything above hi does not fit
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
     return lo
@@ -212,10 +205,10 @@ class LLM:
     def _output(self, prompt, seq) -> Output:
         lps = seq.logprobs if seq.params.logprobs else None
         return Output(prompt=prompt, text=self.scheduler.output_text(seq), token_ids=seq.generated,
-                      finish_reason=seq.finish_reason,
-                      logprobs=[lp for lp, _ in lps] if lps is not None else None,
-                      top_logprobs=[top for _, top in lps] if lps is not None else None, tau=seq.tau,
-                      origins=list(seq.origins), error=seq.error if seq.finish_reason == "error" else None)
+                      finish_reason=seq.finish_reason, tau=seq.tau, origins=list(seq.origins),
+                      logprobs=None if lps is None else [lp for lp, _ in lps],
+                      top_logprobs=None if lps is None else [top for _, top in lps],
+                      error=seq.error if seq.finish_reason == "error" else None)
 
     def generate(self, prompts, params=None) -> list:
         """Complete each prompt (a string, a list of token ids, or a list of either); params may be one
@@ -257,9 +250,8 @@ class Stream:
     finish the request meanwhile; what they produced is still yielded here."""
 
     def __init__(self, llm: LLM, prompt, seq):
-        self.llm, self.prompt, self.seq = llm, prompt, seq
         self.output = None
-        self._pieces = self._run()
+        self._pieces = self._run(llm, prompt, seq)
 
     def __iter__(self):
         return self
@@ -270,8 +262,8 @@ class Stream:
     def close(self):
         self._pieces.close()
 
-    def _run(self):
-        seq, sched = self.seq, self.llm.scheduler
+    def _run(self, llm: LLM, prompt, seq):
+        sched = llm.scheduler
         hold = max((len(s) for s in seq.params.stop), default=1) - 1  # a stop string may be forming
         sent = 0
         try:
@@ -280,12 +272,12 @@ class Stream:
                 text = sched.output_text(seq)
                 end = len(text) if done else len(text) - hold  # while running, text has whole characters only
                 if end > sent:
-                    yield text[sent:end]
+                    yield text[sent:end]  # while suspended, other calls may advance or finish it
                     sent = end
-                    continue  # while suspended, other calls may have advanced or finished this request
-                if done:
+                elif done:
                     break
-                self.llm._step()
-            self.output = self.llm._output(self.prompt, seq)
+                else:
+                    llm._step()
+            self.output = llm._output(prompt, seq)
         finally:
             sched.abort(seq)
