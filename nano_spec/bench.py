@@ -62,8 +62,7 @@ def run(model_dir, prompts, proposer, gamma, batch, params, args) -> dict:
         outs = llm.generate(prompts, params)
         times.append(time.perf_counter() - t0)
     secs = sorted(times)[len(times) // 2]  # the median: one slow run on a shared machine does not decide
-    st = llm.stats
-    tokens = sum(len(o.token_ids) for o in outs)
+    st, tokens = llm.stats, sum(len(o.token_ids) for o in outs)
     return {"proposer": proposer, "gamma": gamma, "batch": batch, "tokens": tokens, "seconds": secs,
             "tokens_per_s": tokens / secs, "tau": st["tau"] if gamma else 1.0, "accept_at": st["accept_at"],
             "accept_at_by_seq_len": st["accept_at_by_seq_len"], "outputs": [o.token_ids for o in outs]}
@@ -129,10 +128,9 @@ def plot(rows, path):
     ax1.set_xticks(sorted({r["gamma"] for r in rows if r["proposer"] in ("none", "mtp")}))
     ax2.set_xticks([j + (len(batches) - 1) * width / 2 for j in range(len(top["accept_at"]))],
                    [str(j) for j in range(len(top["accept_at"]))])
-    ax1.set_xlabel("γ (drafts per step)")
+    ax1.set(xlabel="γ (drafts per step)")
+    ax2.set(xlabel="draft position j", ylabel="accept_at[j]")
     ax1.legend()
-    ax2.set_xlabel("draft position j")
-    ax2.set_ylabel("accept_at[j]")
     ax2.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -1,12 +1,9 @@
 """python -m nano_spec.generate: complete prompts with speculative decoding.
 
-With no arguments it loads the weights shipped in weights/ and streams the
-completion of a default prompt. Exit status: 0 when every request finished, 2 for a
-user error (one line on stderr, nothing queued), 1 when a request failed inside the
-engine (its error on stderr, and in the `error` field with --json).
-
---show-drafts colours each emitted token by its origin (docs/DESIGN.md §1); --trace
-prints one line per engine step and sequence on stderr.
+With no arguments it streams the completion of a default prompt by the weights shipped in
+weights/. Exit status: 0 when every request finished, 2 for a user error (one line on stderr,
+nothing queued), 1 when a request failed inside the engine (its error on stderr, and in the
+`error` field with --json). --show-drafts colours each token by its origin (docs/DESIGN.md §1).
 """
 import argparse
 import json
@@ -37,7 +34,7 @@ def parse_args(argv):
     p.add_argument("--seed", type=int)
     p.add_argument("--backend", choices=["auto", "torch", "triton"], default="auto")
     p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default=None,
+    p.add_argument("--dtype",
                    help="float32, bfloat16 or float16 (default: the stored dtype on CUDA, float32 on CPU)")
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--max-seq-len", type=int)
@@ -81,24 +78,12 @@ ORIGINS = {
 RESET = "\033[0m"
 
 
-def use_colour(stream) -> bool:
-    return stream.isatty() and "NO_COLOR" not in os.environ
-
-
-def token_pieces(tok, ids: list) -> list:
-    """The text each token adds. A character split across tokens is given to the token that completes it."""
-    pieces, done = [], ""
-    for i in range(len(ids)):
-        text = tok.decode(ids[: i + 1]).rstrip("\ufffd")
-        pieces.append(text[len(done) :] if text.startswith(done) else "")
-        done = text if text.startswith(done) else done
-    return pieces
-
-
 def show_drafts(tok, out, colour: bool) -> str:
     """The completion with each run of tokens of one origin coloured (or bracketed without colour)."""
-    parts, pieces = [], token_pieces(tok, out.token_ids)
-    for piece, origin in zip(pieces, out.origins):
+    from nano_spec.tokenizer import IncrementalDecoder
+
+    parts, decoder = [], IncrementalDecoder(tok)  # a character split across tokens goes to the last
+    for piece, origin in zip(map(decoder.add, out.token_ids), out.origins):
         if parts and parts[-1][0] == origin:
             parts[-1][1] += piece
         else:
@@ -120,9 +105,9 @@ def tracer(tok):
         for seq_id, first in report.admitted:
             print(f"step {report.index} seq {seq_id} prefill -> {tok.decode([first])!r} | {times} ms", file=sys.stderr)
         for r in report.rows:
-            words = lambda ids: "[" + ", ".join(repr(tok.decode([t])) for t in ids) + "]"  # noqa: E731
+            drafts, emitted = ([tok.decode([t]) for t in ids] for ids in (r.drafts, r.emitted))
             end = f" finished: {r.finish_reason}" if r.finish_reason else ""
-            print(f"step {report.index} seq {r.seq_id} drafts {words(r.drafts)} na {r.na} emitted {words(r.emitted)}"
+            print(f"step {report.index} seq {r.seq_id} drafts {drafts} na {r.na} emitted {emitted}"
                   f"{end} | {times} ms", file=sys.stderr)
     return on_step
 
@@ -150,7 +135,7 @@ def main(argv=None) -> int:
             outs = [stream.output]
         else:
             outs = llm.generate(prompts, params)
-            colour = use_colour(sys.stdout)
+            colour = sys.stdout.isatty() and "NO_COLOR" not in os.environ
             if args.show_drafts and not args.json:
                 print(legend(colour))
             for o in outs:
