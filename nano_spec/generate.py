@@ -37,6 +37,7 @@ def parse_args(argv):
     p.add_argument("--dtype",
                    help="float32, bfloat16 or float16 (default: the stored dtype on CUDA, float32 on CPU)")
     p.add_argument("--max-batch", type=int, default=8)
+    p.add_argument("--threads", type=int, help="torch threads (default: 1 for small work on a CPU, see README)")
     p.add_argument("--max-seq-len", type=int)
     p.add_argument("--logprobs", type=int, default=0, help="report each token's logprob and the top-N")
     p.add_argument("--stats", action="store_true", help="print tau, accept_at, tokens/s and phase times")
@@ -122,7 +123,7 @@ def main(argv=None) -> int:
                                 top_p=args.top_p, seed=args.seed, logprobs=args.logprobs)
         llm = LLM(args.model, backend=args.backend, device=args.device, dtype=args.dtype, max_batch=args.max_batch,
                   num_drafts=0 if args.no_spec else args.num_drafts, proposer="none" if args.no_spec else args.proposer,
-                  max_seq_len=args.max_seq_len)
+                  max_seq_len=args.max_seq_len, threads=args.threads)
         if args.trace:
             llm.on_step = tracer(llm.tokenizer)
         t0 = time.perf_counter()

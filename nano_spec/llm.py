@@ -121,12 +121,25 @@ class Output:
     error: str | None = None         # what failed, when finish_reason is "error"
 
 
+SPLIT_WORK = 32e6  # parameters x rows per step below which one CPU thread is faster (README, Threads)
+
+
+def default_threads(model, max_batch: int, device) -> int | None:
+    """1 on a CPU when a step's work (parameters x max_batch) is too small to split across cores,
+    else None (torch's default, one thread per core). Measured on the shipped 8M model: 1 thread
+    wins at batch 1, 2 threads at batch 8."""
+    work = sum(p.numel() for p in model.parameters()) * max_batch
+    return 1 if device.type == "cpu" and work < SPLIT_WORK else None
+
+
 class LLM:
     def __init__(self, model=None, backend: str = "auto", device: str = "auto", dtype=None, max_batch: int = 8,
                  num_drafts: int | str = "auto", proposer="auto", max_seq_len: int | None = None,
-                 memory_budget: int | None = None, clock=time.perf_counter, on_step=None):
+                 memory_budget: int | None = None, threads: int | None = None, clock=time.perf_counter,
+                 on_step=None):
         """proposer: "auto", "mtp", "ngram", "none", or an object with num_drafts, first() and next()
         (nano_spec/proposers.py). num_drafts: γ, or "auto": γ chosen per step (nano_spec/planner.py).
+        threads: torch's intra-op threads, process-wide; None: the rule of `default_threads`.
         on_step: called with a StepReport after every engine step."""
         if model is not None and not isinstance(model, (str, os.PathLike)):
             raise ValueError(f"model: expected a checkpoint directory path, got {type(model).__name__}")
@@ -143,6 +156,8 @@ class LLM:
         if memory_budget is not None and (isinstance(memory_budget, bool) or not isinstance(memory_budget, int)
                                           or memory_budget < 1):
             raise ValueError(f"memory_budget: {memory_budget!r} must be a positive integer (bytes) or None")
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise ValueError(f"threads: {threads!r} must be None or an integer >= 1")
         backend = resolve_backend(backend, device)
         if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(f"backend: 'triton' on {device.type} needs the Triton interpreter "
@@ -164,6 +179,9 @@ class LLM:
         self.cache_bytes = check_memory(cfg, max_batch, max_seq_len, self.proposer.num_drafts, dtype, budget)
         self.memory_budget = budget
         self.model = load_model(path, device=device, dtype=dtype, backend=backend)
+        threads = threads or default_threads(self.model, max_batch, device)
+        if threads:
+            torch.set_num_threads(threads)
         self.max_seq_len = max_seq_len
         self.telemetry = Telemetry(self.proposer.num_drafts, clock)
         self.runner = ModelRunner(self.model, self.proposer, max_batch, max_seq_len)

@@ -123,3 +123,21 @@ def test_expected_tokens_is_one_plus_the_sum_of_products():
     p.trials, p.hits = [10.0, 10.0, 10.0], [8.0, 5.0, 2.0]
     assert p.expected_tokens(0) == 1
     assert p.expected_tokens(3) == pytest.approx(1 + 0.8 + 0.8 * 0.5 + 0.8 * 0.5 * 0.2)
+
+
+def test_threads_rule_and_override(ckpt):
+    import torch
+
+    from nano_spec.llm import SPLIT_WORK, default_threads
+
+    llm = LLM(ckpt, max_batch=1)
+    n = sum(p.numel() for p in llm.model.parameters())
+    assert torch.get_num_threads() == 1  # a tiny model at batch 1: splitting its ops only costs
+    assert default_threads(llm.model, int(SPLIT_WORK // n) + 1, torch.device("cpu")) is None
+    assert default_threads(llm.model, 1, torch.device("cuda")) is None
+    before = torch.get_num_threads()
+    try:
+        LLM(ckpt, max_batch=1, threads=2)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
