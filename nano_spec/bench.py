@@ -1,19 +1,57 @@
-"""python -m nano_spec.bench: end-to-end speedup of speculative decoding.
+"""python -m nano_spec.bench: end-to-end speedup of speculative decoding, configurations interleaved.
 
-Runs the same prompts with plain decoding (γ = 0), with the MTP proposer at each
-γ and with the n-gram proposer, at each batch size, in one process; asserts the
-greedy outputs are identical to γ = 0; prints a table and, last, one JSON line.
+At each batch size it builds one engine per configuration: plain decoding (γ = 0), MTP at each
+γ, MTP with γ = auto, n-gram at γ = 3 and, with --vs-transformers, transformers'
+GraniteMoeHybridForCausalLM.generate on the same base weights. It warms each up, then times
+them in turn for --repeats rounds in one process, asserts that every greedy output equals
+plain decoding's, and prints a table, the targets of the README and, last, one JSON line.
 
-    speedup = tokens/s with drafts / tokens/s with γ = 0   (same prompts, same run, greedy)
+    speedup = tokens/s / tokens/s of plain decoding at the same batch size
+    tokens/s from the median wall time of the rounds; CPU seconds (all threads) beside it
+    step speedup = the same ratio over the step phases only (no prefill): what the planner predicts
 """
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
 
+import torch
+
 from nano_spec.llm import LLM, shipped_weights
 from nano_spec.sampling import SamplingParams
+
+# the README's benchmark targets: (row, goal, measured ratio from {batch: {config: row}})
+TARGETS = (
+    ("MTP γ=3 vs plain, batch 1", 1.6, lambda t: ratio(t, 1, "mtp γ=3", "plain")),
+    ("auto vs plain, batch 1", 1.6, lambda t: ratio(t, 1, "mtp γ=auto", "plain")),
+    ("auto vs plain, batch 8", 1.2, lambda t: ratio(t, 8, "mtp γ=auto", "plain")),
+    ("auto vs plain, batch 16", 1.0, lambda t: ratio(t, 16, "mtp γ=auto", "plain")),
+    ("auto vs plain, worst batch", 0.97, lambda t: worst(ratio(t, b, "mtp γ=auto", "plain") for b in t)),
+    ("auto vs best fixed γ, worst batch", 0.95, lambda t: worst(ratio(t, b, "mtp γ=auto", best_fixed(t[b])) for b in t)),
+    ("n-gram γ=3 vs plain, batch 1", 1.5, lambda t: ratio(t, 1, "ngram γ=3", "plain")),
+    ("plain vs transformers, batch 1", 1.0, lambda t: ratio(t, 1, "plain", "transformers")),
+    ("plain vs transformers, batch 8", 1.0, lambda t: ratio(t, 8, "plain", "transformers")),
+    ("auto: predicted vs measured step speedup, worst batch", 0.9, lambda t: worst(
+        min(q, 1 / q) for q in (r["predicted_speedup"] / r["step_speedup"] for rows in t.values()
+                                for r in rows.values() if r["config"] == "mtp γ=auto"))),
+)
+
+
+def ratio(table, b, a, c):
+    rows = table.get(b, {})
+    return rows[a]["tokens_per_s"] / rows[c]["tokens_per_s"] if a in rows and c in rows else None
+
+
+def worst(values):
+    values = [v for v in values if v is not None]
+    return min(values) if values else None
+
+
+def best_fixed(rows):
+    return max((c for c in rows if c == "plain" or c.startswith("mtp γ=") and c != "mtp γ=auto"),
+               key=lambda c: rows[c]["tokens_per_s"])
 
 
 def parse_args(argv):
@@ -23,9 +61,13 @@ def parse_args(argv):
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--gammas", type=int, nargs="+", default=[1, 2, 3, 4])
-    p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 16])
     p.add_argument("--no-ngram", action="store_true", help="skip the n-gram proposer")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per setting; the median is reported")
+    p.add_argument("--no-auto", action="store_true", help="skip num_drafts=auto")
+    p.add_argument("--vs-transformers", action="store_true",
+                   help="also time transformers' generate on the same base weights (needs transformers)")
+    p.add_argument("--repeats", type=int, default=3, help="timed rounds; the median is reported")
+    p.add_argument("--threads", type=int, help="torch threads (default: the engine's rule, see README)")
     p.add_argument("--backend", default="auto")
     p.add_argument("--device", default="auto")
     p.add_argument("--plot", help="write a PNG of tau and speedup vs γ and accept_at by position")
@@ -45,27 +87,81 @@ def load_prompts(args, model_dir: Path) -> list:
     return prompts[: args.num_prompts]
 
 
-def progress(i: int, n: int, label: str):
-    filled = int(30 * i / n)
-    print(f"\r[{'#' * filled}{' ' * (30 - filled)}] {i}/{n} {label:<24}", end="" if i < n else "\n",
-          file=sys.stderr, flush=True)
+class Engine:
+    """One nano_spec configuration: generate() -> token ids per prompt, stats of the last call."""
+
+    def __init__(self, model_dir, proposer, gamma, batch, args):
+        self.name = "plain" if proposer == "none" else f"{proposer} γ={gamma}"
+        self.proposer, self.gamma = proposer, gamma
+        self.llm = LLM(model_dir, backend=args.backend, device=args.device, max_batch=batch, num_drafts=gamma,
+                       proposer=proposer, threads=args.threads)
+
+    def generate(self, ids, max_new_tokens):
+        self.llm.telemetry.reset()  # the planner keeps learning across rounds, as in a server
+        outs = self.llm.generate(ids, SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True))
+        return [o.token_ids for o in outs]
+
+    def stats(self):
+        st = self.llm.stats
+        steps_s = sum(v for k, v in st["phase_seconds"].items() if k != "prefill")  # what the planner models
+        return {"steps_s": steps_s, **{k: st.get(k) for k in ("tau", "accept_at", "gamma_hist", "predicted_speedup")}}
 
 
-def run(model_dir, prompts, proposer, gamma, batch, params, args) -> dict:
-    llm = LLM(model_dir, backend=args.backend, device=args.device, max_batch=batch, num_drafts=gamma,
-              proposer=proposer)
-    llm.generate(prompts[:1], SamplingParams(max_new_tokens=4, ignore_eos=True))  # warm-up (compiles kernels)
-    times = []
-    for _ in range(args.repeats):
-        llm.telemetry.reset()  # count only the last measured run
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, params)
-        times.append(time.perf_counter() - t0)
-    secs = sorted(times)[len(times) // 2]  # the median: one slow run on a shared machine does not decide
-    st, tokens = llm.stats, sum(len(o.token_ids) for o in outs)
-    return {"proposer": proposer, "gamma": gamma, "batch": batch, "tokens": tokens, "seconds": secs,
-            "tokens_per_s": tokens / secs, "tau": st["tau"] if gamma else 1.0, "accept_at": st["accept_at"],
-            "accept_at_by_seq_len": st["accept_at_by_seq_len"], "outputs": [o.token_ids for o in outs]}
+class Transformers:
+    """transformers' GraniteMoeHybridForCausalLM.generate, greedy, batches of `batch` left-padded prompts."""
+
+    def __init__(self, model_dir, batch, device):
+        import transformers
+
+        self.name, self.batch, self.device = "transformers", batch, device
+        self.proposer, self.gamma = "none", 0
+        self.model = transformers.GraniteMoeHybridForCausalLM.from_pretrained(
+            model_dir, dtype=torch.float32).to(device).eval()  # the MTP head's tensors are ignored
+        self.config = self.model.generation_config
+        self.config.eos_token_id = None  # like ignore_eos: every request runs to max_new_tokens
+        self.config.pad_token_id = 0
+
+    @torch.no_grad()
+    def generate(self, ids, max_new_tokens):
+        outs = []
+        for i in range(0, len(ids), self.batch):
+            chunk = ids[i : i + self.batch]
+            L = max(map(len, chunk))
+            x = torch.tensor([[0] * (L - len(c)) + c for c in chunk], device=self.device)
+            mask = torch.tensor([[0] * (L - len(c)) + [1] * len(c) for c in chunk], device=self.device)
+            y = self.model.generate(x, attention_mask=mask, generation_config=self.config, do_sample=False,
+                                    max_new_tokens=max_new_tokens)
+            outs += y[:, L:].tolist()
+        return outs
+
+    def stats(self):
+        return {"steps_s": None, "tau": None, "accept_at": None, "gamma_hist": None, "predicted_speedup": None}
+
+
+def measure(engines, ids, args) -> list:
+    """Warm every engine up, then time them in turn, args.repeats rounds (the order rotates)."""
+    for e in engines:
+        e.generate(ids[:1], 4)
+    times = {e.name: [] for e in engines}
+    cpu = {e.name: [] for e in engines}
+    outputs, stats = {}, {}
+    for r in range(args.repeats):
+        for e in engines[r % len(engines):] + engines[: r % len(engines)]:
+            print(f"\r  round {r + 1}/{args.repeats} {e.name:<14}", end="", file=sys.stderr, flush=True)
+            w0, c0 = time.perf_counter(), time.process_time()
+            outputs[e.name] = e.generate(ids, args.max_new_tokens)
+            times[e.name].append(time.perf_counter() - w0)
+            cpu[e.name].append(time.process_time() - c0)
+            stats[e.name] = e.stats()  # of the last round
+    print(file=sys.stderr)
+    rows = []
+    for e in engines:
+        wall = statistics.median(times[e.name])
+        tokens = sum(map(len, outputs[e.name]))
+        rows.append({"config": e.name, "proposer": e.proposer, "gamma": e.gamma, "batch": None, "tokens": tokens, "wall_s": wall, "cpu_s": statistics.median(cpu[e.name]),
+                     "tokens_per_s": tokens / wall, "rounds_s": times[e.name], **stats[e.name],
+                     "outputs": outputs[e.name]})
+    return rows
 
 
 def main(argv=None) -> int:
@@ -75,34 +171,49 @@ def main(argv=None) -> int:
         prompts = load_prompts(args, model_dir)
         if any(g < 1 for g in args.gammas) or any(b < 1 for b in args.batch) or args.repeats < 1:
             raise ValueError("--gammas, --batch and --repeats take integers >= 1")
-        params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
-        configs = [(b, "none", 0) for b in args.batch]
-        configs += [(b, "mtp", g) for b in args.batch for g in args.gammas]
-        configs += [] if args.no_ngram else [(b, "ngram", max(args.gammas)) for b in args.batch]
-        rows = []
-        for i, (b, proposer, g) in enumerate(configs):
-            progress(i, len(configs), f"batch {b} {proposer} γ={g}")
-            rows.append(run(model_dir, prompts, proposer, g, b, params, args))
-        progress(len(configs), len(configs), "done")
-    except ValueError as e:
+        table = {}
+        for b in args.batch:
+            configs = [("none", 0)] + [("mtp", g) for g in args.gammas]
+            configs += [] if args.no_auto else [("mtp", "auto")]
+            configs += [] if args.no_ngram else [("ngram", 3)]
+            engines = [Engine(model_dir, p, g, b, args) for p, g in configs]
+            ids = [engines[0].llm.tokenizer.encode(p) for p in prompts]
+            if args.vs_transformers:
+                engines.append(Transformers(model_dir, b, next(engines[0].llm.model.parameters()).device))
+            print(f"batch {b}: {len(engines)} configurations x {args.repeats} rounds", file=sys.stderr)
+            table[b] = {r["config"]: {**r, "batch": b} for r in measure(engines, ids, args)}
+    except (ValueError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    base = {r["batch"]: r for r in rows if r["gamma"] == 0}
-    for r in rows:
-        assert r["outputs"] == base[r["batch"]]["outputs"], \
-            f"greedy outputs differ: {r['proposer']} γ={r['gamma']} batch {r['batch']}"
-        r["speedup"] = r["tokens_per_s"] / base[r["batch"]]["tokens_per_s"]
+    for b, rows in table.items():
+        for r in rows.values():
+            assert r["outputs"] == rows["plain"]["outputs"], f"greedy outputs differ: {r['config']} at batch {b}"
+            r["speedup"] = r["tokens_per_s"] / rows["plain"]["tokens_per_s"]
+            r["step_speedup"] = rows["plain"]["steps_s"] / r["steps_s"] if r["steps_s"] else None
     print(f"model {model_dir.name}, {len(prompts)} prompts x {args.max_new_tokens} new tokens, greedy, "
-          f"median of {args.repeats} runs; outputs identical to γ = 0: yes")
-    print(f"{'batch':>5} {'proposer':>8} {'γ':>2} {'tokens/s':>9} {'tau':>6} {'speedup':>8}  accept_at")
-    for r in rows:
-        print(f"{r['batch']:>5} {r['proposer']:>8} {r['gamma']:>2} {r['tokens_per_s']:>9.1f} {r['tau']:>6.3f} "
-              f"{r['speedup']:>7.2f}x  {[round(a, 3) for a in r['accept_at']]}")
+          f"{torch.get_num_threads()} torch threads, median of {args.repeats} interleaved rounds; "
+          "outputs identical to plain decoding: yes")
+    print(f"{'batch':>5} {'config':<13} {'tokens/s':>9} {'wall s':>7} {'CPU s':>7} {'tau':>6} {'speedup':>8}  notes")
+    for b, rows in table.items():
+        for r in rows.values():
+            tau = f"{r['tau']:.3f}" if r["tau"] else "-"
+            note = "" if r["config"] != "mtp γ=auto" else \
+                f"steps only: {r['step_speedup']:.2f}x, predicted {r['predicted_speedup']:.2f}x; steps by γ {r['gamma_hist']}"
+            if r["config"] == "transformers":
+                note = "no MTP in transformers; its prompt lookup refuses this stateful model"
+            print(f"{b:>5} {r['config']:<13} {r['tokens_per_s']:>9.1f} {r['wall_s']:>7.2f} {r['cpu_s']:>7.2f} "
+                  f"{tau:>6} {r['speedup']:>7.2f}x  {note}")
+    print("targets (ratios of tokens/s)")
+    for name, goal, measure_ in TARGETS:
+        value = measure_(table)
+        shown = "not measured" if value is None else f"{value:.2f} ({'met' if value >= goal else 'not met'})"
+        print(f"  {name:<48} goal >= {goal:.2f}  {shown}")
+    rows = [r for rows in table.values() for r in rows.values()]
     if args.plot:
         plot(rows, args.plot)
-    summary = [{k: v for k, v in r.items() if k != "outputs"} for r in rows]
     print(json.dumps({"model": model_dir.name, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-                      "identical": True, "rows": summary}))
+                      "threads": torch.get_num_threads(), "identical": True,
+                      "rows": [{k: v for k, v in r.items() if k != "outputs"} for r in rows]}))
     return 0
 
 
@@ -119,13 +230,14 @@ def plot(rows, path):
     batches = sorted({r["batch"] for r in rows})
     width = 0.8 / len(batches)
     for i, b in enumerate(batches):
-        mtp = sorted((r for r in rows if r["batch"] == b and r["proposer"] in ("none", "mtp")), key=lambda r: r["gamma"])
-        ax1.plot([r["gamma"] for r in mtp], [r["tau"] for r in mtp], "o-", label=f"tau, batch {b}")
+        mtp = sorted((r for r in rows if r["batch"] == b and r["proposer"] in ("none", "mtp") and r["gamma"] != "auto"),
+                     key=lambda r: r["gamma"])
+        ax1.plot([r["gamma"] for r in mtp], [r["tau"] or 1.0 for r in mtp], "o-", label=f"tau, batch {b}")
         ax1.plot([r["gamma"] for r in mtp], [r["speedup"] for r in mtp], "s--", label=f"speedup, batch {b}")
         top = mtp[-1]
         ax2.bar([j + i * width for j in range(len(top["accept_at"]))], top["accept_at"], width=width,
                 label=f"batch {b}, γ={top['gamma']}")
-    ax1.set_xticks(sorted({r["gamma"] for r in rows if r["proposer"] in ("none", "mtp")}))
+    ax1.set_xticks(sorted({r["gamma"] for r in mtp}))
     ax2.set_xticks([j + (len(batches) - 1) * width / 2 for j in range(len(top["accept_at"]))],
                    [str(j) for j in range(len(top["accept_at"]))])
     ax1.set(xlabel="γ (drafts per step)")

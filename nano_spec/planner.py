@@ -6,8 +6,9 @@ online (docs/DESIGN.md §7):
     a_j      conditional acceptance: P(draft j accepted | drafts 1..j-1 were), decayed counts
     E(γ)   = 1 + Σ_{i≤γ} Π_{j≤i} a_j            expected tokens of a step with γ drafts
     t_B(γ)   seconds of a step at batch size B with γ drafts (verify + verdict + commit, plus the
-             propose that drafted them): t_B(0) a decayed mean of plain steps, t_B(γ ≥ 1) a line
-             c0 + c1 γ fitted by decayed least squares (a prior slope until two γ are measured)
+             propose that drafted them): a decayed mean of the steps measured at (B, γ), shrunk
+             towards a line c0 + c1 γ fitted by decayed least squares over all γ ≥ 1 (a prior slope
+             until two γ are measured), which also covers the γ not measured yet
     γ_eff  = argmax_γ E(γ) / t_B(γ)             predicted speedup = E(γ_eff) t_B(0) / t_B(γ_eff)
 
 Every PROBE-th step tries a neighbour of the best γ instead (and, in turn, γ = 0), so the costs
@@ -42,6 +43,7 @@ class DraftPlanner:
         self.trials = [PRIOR_WEIGHT] * max_drafts
         self.hits = [PRIOR_WEIGHT * (PRIOR_ACCEPT[0] if j == 0 else PRIOR_ACCEPT[1]) for j in range(max_drafts)]
         self.plain = {}                  # B -> Decayed seconds of a γ = 0 step
+        self.seen = {}                   # (B, γ >= 1) -> Decayed seconds
         self.line = {}                   # B -> decayed [Σw, Σwγ, Σwγ², Σwt, Σwγt] of γ >= 1 steps
         self.pending = {}                # γ -> propose seconds that drafted the coming verify
         self.steps, self.hist = 0, Counter()
@@ -60,9 +62,14 @@ class DraftPlanner:
 
     def step_cost(self, B: int, gamma: int) -> float:
         """t_B(γ) in seconds (relative while nothing at B was measured)."""
-        plain = self.plain.get(B)
+        plain, seen = self.plain.get(B), self.seen.get((B, gamma))
         if gamma == 0 and plain is not None:
             return plain.mean
+        if seen is None:
+            return self._line(B, gamma, plain)
+        return (seen.w * seen.mean + self._line(B, gamma, plain)) / (seen.w + 1)  # the line weighs one step
+
+    def _line(self, B: int, gamma: int, plain) -> float:
         w, sg, sgg, st, sgt = self.line.get(B, (0.0,) * 5)
         var = sgg / w - (sg / w) ** 2 if w else 0.0
         if w and var * w >= 1.0:  # enough spread in γ: the fitted line
@@ -97,12 +104,14 @@ class DraftPlanner:
 
     def observe_step(self, B: int, gamma: int, seconds: float, results: list):
         """A verify step at γ: its seconds (verify + verdict + commit) and (na, nd) per sequence."""
-        seconds += self.pending.pop(gamma, 0.0)
+        drafted = self.pending.pop(gamma, None)  # None: drafted at admission, not a step's propose
+        seconds += drafted or 0.0
         if B in self.plain or B in self.line:  # a stall of the machine is not the step's cost
             seconds = min(seconds, 3 * self.step_cost(B, gamma))
         if gamma == 0:
             self.plain.setdefault(B, Decayed(self.keep_cost)).add(seconds)
-        else:
+        elif drafted is not None:
+            self.seen.setdefault((B, gamma), Decayed(self.keep_cost)).add(seconds)
             k = self.keep_cost
             self.line[B] = [k * a + b for a, b in zip(self.line.get(B, (0.0,) * 5),
                                                       (1.0, gamma, gamma * gamma, seconds, gamma * seconds))]

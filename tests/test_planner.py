@@ -79,6 +79,7 @@ def feed(planner, B, cost, accept, steps, gamma_of=lambda i: i % 5, seed=0):
             while na < g and rng.random() < accept[na]:
                 na += 1
             results.append((na, g))
+        planner.observe_propose(g, 0.0)  # the drafting time is part of cost(g) here
         planner.observe_step(B, g, cost(g), results)
 
 
@@ -114,6 +115,7 @@ def test_a_stall_does_not_poison_the_cost():
     p = DraftPlanner(4)
     feed(p, 1, lambda g: 1.0 + 0.3 * g, (0.8,) * 4, 50)
     before = p.step_cost(1, 2)
+    p.observe_propose(2, 0.0)
     p.observe_step(1, 2, 1000.0, [(2, 2)])  # the machine stalled for a second
     assert p.step_cost(1, 2) < 1.5 * before
 
@@ -128,13 +130,13 @@ def test_expected_tokens_is_one_plus_the_sum_of_products():
 def test_threads_rule_and_override(ckpt):
     import torch
 
-    from nano_spec.llm import SPLIT_WORK, default_threads
+    from nano_spec.llm import SPLIT_WORK, TORCH_THREADS, default_threads
 
     llm = LLM(ckpt, max_batch=1)
     n = sum(p.numel() for p in llm.model.parameters())
     assert torch.get_num_threads() == 1  # a tiny model at batch 1: splitting its ops only costs
-    assert default_threads(llm.model, int(SPLIT_WORK // n) + 1, torch.device("cpu")) is None
-    assert default_threads(llm.model, 1, torch.device("cuda")) is None
+    assert default_threads(llm.model, int(SPLIT_WORK // n) + 1, torch.device("cpu")) == TORCH_THREADS
+    assert default_threads(llm.model, 1, torch.device("cuda")) == TORCH_THREADS
     before = torch.get_num_threads()
     try:
         LLM(ckpt, max_batch=1, threads=2)
