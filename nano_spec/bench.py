@@ -29,7 +29,8 @@ TARGETS = (
     ("auto vs plain, batch 8", 1.2, lambda t: ratio(t, 8, "mtp γ=auto", "plain")),
     ("auto vs plain, batch 16", 1.0, lambda t: ratio(t, 16, "mtp γ=auto", "plain")),
     ("auto vs plain, worst batch", 0.97, lambda t: worst(ratio(t, b, "mtp γ=auto", "plain") for b in t)),
-    ("auto vs best fixed γ, worst batch", 0.95, lambda t: worst(ratio(t, b, "mtp γ=auto", best_fixed(t[b])) for b in t)),
+    ("auto vs best fixed γ, worst batch", 0.95,
+     lambda t: worst(ratio(t, b, "mtp γ=auto", best_fixed(t[b])) for b in t)),
     ("n-gram γ=3 vs plain, batch 1", 1.5, lambda t: ratio(t, 1, "ngram γ=3", "plain")),
     ("plain vs transformers, batch 1", 1.0, lambda t: ratio(t, 1, "plain", "transformers")),
     ("plain vs transformers, batch 8", 1.0, lambda t: ratio(t, 8, "plain", "transformers")),
@@ -113,6 +114,7 @@ class Transformers:
     def __init__(self, model_dir, batch, device):
         import transformers
 
+        transformers.logging.set_verbosity_error()  # it lists the MTP tensors it does not know
         self.name, self.batch, self.device = "transformers", batch, device
         self.proposer, self.gamma = "none", 0
         self.model = transformers.GraniteMoeHybridForCausalLM.from_pretrained(
@@ -158,8 +160,10 @@ def measure(engines, ids, args) -> list:
     for e in engines:
         wall = statistics.median(times[e.name])
         tokens = sum(map(len, outputs[e.name]))
-        rows.append({"config": e.name, "proposer": e.proposer, "gamma": e.gamma, "batch": None, "tokens": tokens, "wall_s": wall, "cpu_s": statistics.median(cpu[e.name]),
-                     "tokens_per_s": tokens / wall, "rounds_s": times[e.name], **stats[e.name],
+        rows.append({"config": e.name, "proposer": e.proposer, "gamma": e.gamma, "batch": None,
+                     "threads": torch.get_num_threads(), "tokens": tokens, "wall_s": wall,
+                     "cpu_s": statistics.median(cpu[e.name]), "tokens_per_s": tokens / wall,
+                     "rounds_s": times[e.name], **stats[e.name],
                      "outputs": outputs[e.name]})
     return rows
 
@@ -191,17 +195,20 @@ def main(argv=None) -> int:
             r["speedup"] = r["tokens_per_s"] / rows["plain"]["tokens_per_s"]
             r["step_speedup"] = rows["plain"]["steps_s"] / r["steps_s"] if r["steps_s"] else None
     print(f"model {model_dir.name}, {len(prompts)} prompts x {args.max_new_tokens} new tokens, greedy, "
-          f"{torch.get_num_threads()} torch threads, median of {args.repeats} interleaved rounds; "
+          f"median of {args.repeats} interleaved rounds; "
           "outputs identical to plain decoding: yes")
-    print(f"{'batch':>5} {'config':<13} {'tokens/s':>9} {'wall s':>7} {'CPU s':>7} {'tau':>6} {'speedup':>8}  notes")
+    print(f"{'batch':>5} {'thr':>3} {'config':<13} {'tokens/s':>9} {'wall s':>7} {'CPU s':>7} {'tau':>6} "
+          f"{'speedup':>8}  notes")
     for b, rows in table.items():
         for r in rows.values():
             tau = f"{r['tau']:.3f}" if r["tau"] else "-"
             note = "" if r["config"] != "mtp γ=auto" else \
-                f"steps only: {r['step_speedup']:.2f}x, predicted {r['predicted_speedup']:.2f}x; steps by γ {r['gamma_hist']}"
+                f"steps only {r['step_speedup']:.2f}x, predicted {r['predicted_speedup']:.2f}x; " \
+                f"steps by γ {r['gamma_hist']}"
             if r["config"] == "transformers":
                 note = "no MTP in transformers; its prompt lookup refuses this stateful model"
-            print(f"{b:>5} {r['config']:<13} {r['tokens_per_s']:>9.1f} {r['wall_s']:>7.2f} {r['cpu_s']:>7.2f} "
+            print(f"{b:>5} {r['threads']:>3} {r['config']:<13} {r['tokens_per_s']:>9.1f} {r['wall_s']:>7.2f} "
+                  f"{r['cpu_s']:>7.2f} "
                   f"{tau:>6} {r['speedup']:>7.2f}x  {note}")
     print("targets (ratios of tokens/s)")
     for name, goal, measure_ in TARGETS:
@@ -212,7 +219,7 @@ def main(argv=None) -> int:
     if args.plot:
         plot(rows, args.plot)
     print(json.dumps({"model": model_dir.name, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-                      "threads": torch.get_num_threads(), "identical": True,
+                      "identical": True,
                       "rows": [{k: v for k, v in r.items() if k != "outputs"} for r in rows]}))
     return 0
 

@@ -35,16 +35,18 @@ class Decayed:
 
 class DraftPlanner:
     def __init__(self, max_drafts: int, prior_slope: float = 0.4, keep_cost: float = 0.9,
-                 keep_accept: float = 0.98):
+                 keep_accept: float = 0.995):
         """prior_slope: c1 / c0, the cost of a draft relative to a step, until two γ are measured
         (CPU ~0.4: extra verify rows are not free there; a GPU is closer to 0.1)."""
         self.max_drafts, self.prior_slope, self.keep_cost = max_drafts, prior_slope, keep_cost
         self.keep_accept = keep_accept
         self.trials = [PRIOR_WEIGHT] * max_drafts
         self.hits = [PRIOR_WEIGHT * (PRIOR_ACCEPT[0] if j == 0 else PRIOR_ACCEPT[1]) for j in range(max_drafts)]
-        self.plain = {}                  # B -> Decayed seconds of a γ = 0 step
-        self.seen = {}                   # (B, γ >= 1) -> Decayed seconds
-        self.line = {}                   # B -> decayed [Σw, Σwγ, Σwγ², Σwt, Σwγt] of γ >= 1 steps
+        # costs are kept per sequence (seconds / B) by batch-size class B.bit_length(): 1, 2-3, 4-7, ...,
+        # so a batch that shrinks by one sequence at its tail does not start from the priors again
+        self.plain = {}                  # class -> Decayed seconds of a γ = 0 step
+        self.seen = {}                   # (class, γ >= 1) -> Decayed seconds
+        self.line = {}                   # class -> decayed [Σw, Σwγ, Σwγ², Σwt, Σwγt] of γ >= 1 steps
         self.pending = {}                # γ -> propose seconds that drafted the coming verify
         self.steps, self.hist = 0, Counter()
         self.pred_time = self.pred_weighted = 0.0
@@ -61,16 +63,18 @@ class DraftPlanner:
         return e
 
     def step_cost(self, B: int, gamma: int) -> float:
-        """t_B(γ) in seconds (relative while nothing at B was measured)."""
-        plain, seen = self.plain.get(B), self.seen.get((B, gamma))
+        """t_B(γ) in seconds (relative while nothing at B's class was measured)."""
+        B = max(B, 1)  # asked after the last sequence finished: any answer will do
+        c = B.bit_length()
+        plain, seen = self.plain.get(c), self.seen.get((c, gamma))
         if gamma == 0 and plain is not None:
-            return plain.mean
+            return B * plain.mean
         if seen is None:
-            return self._line(B, gamma, plain)
-        return (seen.w * seen.mean + self._line(B, gamma, plain)) / (seen.w + 1)  # the line weighs one step
+            return B * self._line(c, gamma, plain)
+        return B * (seen.w * seen.mean + self._line(c, gamma, plain)) / (seen.w + 1)  # the line weighs one step
 
-    def _line(self, B: int, gamma: int, plain) -> float:
-        w, sg, sgg, st, sgt = self.line.get(B, (0.0,) * 5)
+    def _line(self, c: int, gamma: int, plain) -> float:
+        w, sg, sgg, st, sgt = self.line.get(c, (0.0,) * 5)
         var = sgg / w - (sg / w) ** 2 if w else 0.0
         if w and var * w >= 1.0:  # enough spread in γ: the fitted line
             c1 = max((sgt / w - sg / w * st / w) / var, 0.0)
@@ -106,15 +110,17 @@ class DraftPlanner:
         """A verify step at γ: its seconds (verify + verdict + commit) and (na, nd) per sequence."""
         drafted = self.pending.pop(gamma, None)  # None: drafted at admission, not a step's propose
         seconds += drafted or 0.0
-        if B in self.plain or B in self.line:  # a stall of the machine is not the step's cost
+        c = B.bit_length()
+        if c in self.plain or c in self.line:  # a stall of the machine is not the step's cost
             seconds = min(seconds, 3 * self.step_cost(B, gamma))
+        per_seq = seconds / B
         if gamma == 0:
-            self.plain.setdefault(B, Decayed(self.keep_cost)).add(seconds)
+            self.plain.setdefault(c, Decayed(self.keep_cost)).add(per_seq)
         elif drafted is not None:
-            self.seen.setdefault((B, gamma), Decayed(self.keep_cost)).add(seconds)
+            self.seen.setdefault((c, gamma), Decayed(self.keep_cost)).add(per_seq)
             k = self.keep_cost
-            self.line[B] = [k * a + b for a, b in zip(self.line.get(B, (0.0,) * 5),
-                                                      (1.0, gamma, gamma * gamma, seconds, gamma * seconds))]
+            self.line[c] = [k * a + b for a, b in zip(self.line.get(c, (0.0,) * 5),
+                                                      (1.0, gamma, gamma * gamma, per_seq, gamma * per_seq))]
         self.hist[gamma] += 1
         self.pred_time += seconds
         self.pred_weighted += self.speedups(B)[gamma] * seconds

@@ -10,7 +10,8 @@ A proposer is any object with
 
 It returns its drafts and never writes engine state; `uniforms` (R, γ) is its own
 random draw (None when every row is greedy). γ <= γ_max is fixed or chosen per step
-(planner.py). `LLM(proposer=...)` takes a name or such an object.
+(planner.py); it may be 0, and a proposer with state (the MTP head's KV rows) must
+still advance it then. `LLM(proposer=...)` takes a name or such an object.
 
 `none`  plain decoding (γ = 0).
 `ngram` prompt lookup: the continuation of the latest earlier occurrence of the
@@ -91,6 +92,8 @@ class MTPProposer:
 
         Step i > 1 feeds the previous draft and the previous MTP output at position pos + i - 2.
         """
+        if not gamma:  # the catch-up above kept the MTP's KV rows in step; no drafts this time
+            return Drafts(slots.new_zeros(len(slots), 0), slots.new_zeros(len(slots)), None)
         drafts, probs = [], []
         for i in range(gamma):
             tok, q = sampling.pick(model.mtp_logits(o), None if uniforms is None else uniforms[:, i])

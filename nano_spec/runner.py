@@ -222,7 +222,7 @@ class ModelRunner:
     @torch.no_grad()
     def propose_first(self, seq, adm: Admission, gamma: int) -> bool:
         """γ drafts for a newly admitted sequence. False: drafting failed, it goes on without drafts."""
-        if not gamma:  # the next verify reads no drafts
+        if not self.gamma:  # plain decoding; with γ = 0 of γ_max > 0 the MTP still catches up
             return True
         u = None if adm.sampling.all_greedy else self._uniforms([seq], gamma)  # draw "drafts"
 
@@ -239,7 +239,7 @@ class ModelRunner:
     def propose(self, seqs, step: Step, verdict: Verdict, active: list, gamma: int) -> list:
         """γ drafts for the next step of the sequences still running. Returns per-row success; a row whose
         drafting failed goes on without drafts (its next verify has nd = 0)."""
-        if not gamma:
+        if not self.gamma:  # plain decoding; γ = 0 of γ_max > 0 still calls the proposer (its catch-up)
             return list(active)
         live = [i for i, a in enumerate(active) if a]
         u = None if step.sampling.all_greedy or not live else self._uniforms([seqs[i] for i in live], gamma)

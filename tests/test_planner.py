@@ -143,3 +143,33 @@ def test_threads_rule_and_override(ckpt):
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def drafts_by_position(llm, prompts, params):
+    """{(seq_id, tokens generated before the step): the drafts that step verified}."""
+    seen, generated = {}, {}
+
+    def on_step(report):
+        for seq_id, _ in report.admitted:
+            generated[seq_id] = 1
+        for row in report.rows:
+            seen[(row.seq_id, generated[row.seq_id])] = row.drafts
+            generated[row.seq_id] += len(row.emitted)
+
+    llm.on_step = on_step
+    llm.generate(prompts, params)
+    return seen
+
+
+def test_drafts_after_plain_steps_are_those_of_a_fixed_gamma(ckpt):
+    """Steps with γ = 0 still run the MTP catch-up: the head's KV rows, and so every later draft,
+    are those of a run that drafted all along."""
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    fixed = drafts_by_position(LLM(ckpt, proposer="mtp", num_drafts=4, max_batch=2), PROMPTS, params)
+    llm = LLM(ckpt, proposer="mtp", num_drafts="auto", max_batch=2)
+    llm.scheduler.planner = llm.planner = ScriptedPlanner(4, (0, 0, 4, 0, 2, 4))
+    auto = drafts_by_position(llm, PROMPTS, params)
+    shared = [k for k in auto if k in fixed and auto[k]]
+    assert len(shared) >= 10
+    for k in shared:
+        assert auto[k] == fixed[k][: len(auto[k])], k
