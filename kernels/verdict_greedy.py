@@ -3,6 +3,9 @@
 For logits (B, K, V): picks[b, j] = argmax (the first maximal index on ties) and
 na[b] = the number of leading drafts equal to the pick of their row, clamped to
 num_drafts[b] (the valid drafts; the rest of the (B, K-1) drafts are padding).
+An optional grammar bitmask (B, K, W = ceil(V / 32)) int32 restricts row (b, j) to the
+tokens whose bit is set (bit t % 32 of word t // 32, llguidance's packing): the others
+count as -inf inside the pass, and the logits are never written.
 
 One read of the logits: `_row_stats_kernel` walks one of the SPLITS chunks of a row keeping a
 running max and its first index; `_verdict_kernel` (one program per sequence) merges the
@@ -19,13 +22,14 @@ _check = checker("verdict_greedy")
 
 @triton.jit
 def _row_stats_kernel(
-    p_logits, p_pm, p_pa, V, CHUNK, s_l_b, s_l_k,
-    K: tl.constexpr, SPLITS: tl.constexpr, BLOCK_V: tl.constexpr,
+    p_logits, p_mask, p_pm, p_pa, V, CHUNK, s_l_b, s_l_k, s_m_b, s_m_k,
+    K: tl.constexpr, SPLITS: tl.constexpr, BLOCK_V: tl.constexpr, HAS_MASK: tl.constexpr,
 ):
     """grid (B * K, SPLITS): partial (max, first argmax) of one chunk of one row."""
     i_row, i_s = tl.program_id(0), tl.program_id(1)
     i_b, i_j = i_row // K, i_row % K
     p_row = p_logits + i_b.to(tl.int64) * s_l_b + i_j * s_l_k
+    p_mrow = p_mask + i_b.to(tl.int64) * s_m_b + i_j * s_m_k
     lo = i_s * CHUNK
     hi = tl.minimum(lo + CHUNK, V)
     o_v = tl.arange(0, BLOCK_V)
@@ -34,6 +38,9 @@ def _row_stats_kernel(
     for start in range(lo, hi, BLOCK_V):
         o_x = start + o_v
         b_x = tl.load(p_row + o_x, mask=o_x < hi, other=float("-inf")).to(tl.float32)  # (BLOCK_V,)
+        if HAS_MASK:  # a disallowed token is -inf here only; the logits stay as they are
+            b_w = tl.load(p_mrow + o_x // 32, mask=o_x < hi, other=0)  # the word holding each token's bit
+            b_x = tl.where(((b_w >> (o_x % 32)) & 1) != 0, b_x, float("-inf"))
         b_bmax = tl.max(b_x, 0)
         b_barg = tl.min(tl.where(b_x == b_bmax, o_x, V), 0)  # first maximal index of the block
         b_arg = tl.where(b_bmax > b_max, b_barg, b_arg)
@@ -68,10 +75,16 @@ def _verdict_kernel(
     tl.store(p_na + i_b, b_na.to(tl.int64))
 
 
-def _verdict_greedy(logits, drafts, num_drafts, block_v=None, num_splits=None):
+def _verdict_greedy(logits, drafts, num_drafts, bitmask=None, block_v=None, num_splits=None):
     """verdict_greedy with the tile and split sizes exposed (tests force several of each)."""
     Bsz, K, V = check_verdict(_check, logits, drafts, num_drafts)
     _check(logits.stride(-1) == 1, "logits must have a unit stride in its last dim")
+    if bitmask is not None:
+        W = triton.cdiv(V, 32)
+        _check(bitmask.shape == (Bsz, K, W) and bitmask.dtype == torch.int32,
+               f"bitmask must be int32 ({Bsz}, {K}, {W}), got {bitmask.dtype} {tuple(bitmask.shape)}")
+        _check(bitmask.stride(-1) == 1 and bitmask.device == logits.device,
+               "bitmask must have a unit stride in its last dim and be on the logits' device")
     dev = logits.device
     picks = torch.empty((Bsz, K), dtype=torch.int64, device=dev)
     na = torch.empty((Bsz,), dtype=torch.int64, device=dev)
@@ -82,9 +95,11 @@ def _verdict_greedy(logits, drafts, num_drafts, block_v=None, num_splits=None):
     chunk, splits = split_chunks(V, BLOCK_V, Bsz * K, dev, num_splits)
     pm = torch.empty((Bsz * K, splits), dtype=torch.float32, device=dev)  # partial maxima
     pa = torch.empty((Bsz * K, splits), dtype=torch.int32, device=dev)  # their first indices
+    m = logits if bitmask is None else bitmask  # never read without a mask
     _row_stats_kernel[(Bsz * K, splits)](
-        logits, pm, pa, V, chunk, logits.stride(0), logits.stride(1),
-        K=K, SPLITS=splits, BLOCK_V=BLOCK_V,
+        logits, m, pm, pa, V, chunk, logits.stride(0), logits.stride(1),
+        m.stride(0) if bitmask is not None else 0, m.stride(1) if bitmask is not None else 0,
+        K=K, SPLITS=splits, BLOCK_V=BLOCK_V, HAS_MASK=bitmask is not None,
     )
     d = drafts if K > 1 else picks  # never read when K = 1
     _verdict_kernel[(Bsz,)](
@@ -94,16 +109,25 @@ def _verdict_greedy(logits, drafts, num_drafts, block_v=None, num_splits=None):
     return picks, na
 
 
-def verdict_greedy(logits, drafts, num_drafts):
+def verdict_greedy(logits, drafts, num_drafts, bitmask=None):
     """Triton version of verdict_greedy_ref (same signature and outputs). NaN logits are not
     handled (torch.argmax would pick them)."""
-    return _verdict_greedy(logits, drafts, num_drafts)
+    return _verdict_greedy(logits, drafts, num_drafts, bitmask)
 
 
-def verdict_greedy_ref(logits, drafts, num_drafts):
-    """logits (B, K, V), drafts (B, K-1) int64, num_drafts (B,) int64 ->
+def unpack_bitmask(bitmask, V: int):
+    """bitmask (..., W) int32, bit t % 32 of word t // 32 -> allowed (..., V) bool."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    return ((bitmask[..., None] >> shifts) & 1).flatten(-2)[..., :V].bool()
+
+
+def verdict_greedy_ref(logits, drafts, num_drafts, bitmask=None):
+    """logits (B, K, V), drafts (B, K-1) int64, num_drafts (B,) int64, bitmask (B, K, W) int32 or None ->
     (picks (B, K) int64, na (B,) int64)."""
-    picks = logits.float().argmax(-1)  # (B, K)
+    lf = logits.float()
+    if bitmask is not None:
+        lf = lf.masked_fill(~unpack_bitmask(bitmask, lf.shape[-1]), float("-inf"))
+    picks = lf.argmax(-1)  # (B, K)
     K = logits.shape[1]
     match = (drafts == picks[:, : K - 1]) & (torch.arange(K - 1, device=logits.device) < num_drafts[:, None])
     na = match.long().cumprod(-1).sum(-1)

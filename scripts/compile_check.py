@@ -20,7 +20,7 @@ from kernels import (attention_prefill, attention_verify, commit_state, gated_rm
 
 # pointers default to fp32 and scalars to i32; these are the exceptions
 TYPES = {"p_slot": "*i64", "p_na": "*i64", "p_active": "*u8", "p_idx": "*i64", "p_pa": "*i32", "p_drafts": "*i64",
-         "p_nd": "*i64", "p_picks": "*i64", "p_tok": "*i64", "p_len": "*i64",
+         "p_nd": "*i64", "p_picks": "*i64", "p_tok": "*i64", "p_len": "*i64", "p_mask": "*i32",
          "dt_lo": "fp32", "dt_hi": "fp32", "scale": "fp32", "eps": "fp32", "multiplier": "fp32"}
 MAMBA = dict(H=48, P=64, N=128, G=1, W=4, BLOCK_P=16, BLOCK_N=128, BLOCK_W=4)
 ATTN = dict(REP=4, K=4, HKV=2, HQ=8, DH=64, DH_PAD=64, BLOCK_M=16, BLOCK_N=64, K_PAD=16, SPLITS=4, SPLITS_PAD=4,
@@ -38,7 +38,8 @@ CASES = [
     (attention_verify._verify_attention_kernel, ATTN, 4),
     (attention_verify._combine_kernel, ATTN, 4),
     (gather_rows._gather_rows_kernel, dict(BLOCK_D=256), 4),
-    (verdict_greedy._row_stats_kernel, dict(K=4, SPLITS=4, BLOCK_V=1024), 4),
+    (verdict_greedy._row_stats_kernel, dict(K=4, SPLITS=4, BLOCK_V=1024, HAS_MASK=False), 4),
+    (verdict_greedy._row_stats_kernel, dict(K=4, SPLITS=4, BLOCK_V=1024, HAS_MASK=True), 4),
     (verdict_greedy._verdict_kernel, dict(K=4, SPLITS=4, SPLITS_PAD=4), 4),
     (verdict_sample._verdict_sample_kernel, dict(K=1, BLOCK_B=4, BLOCK_V=1024), 4),
     (verdict_sample._verdict_sample_kernel, dict(K=4, BLOCK_B=4, BLOCK_V=1024), 4),
@@ -62,7 +63,8 @@ def main() -> int:
         for has_bias in ([True, False] if "HAS_BIAS" in kernel.arg_names else [None]):
             c = consts if has_bias is None else dict(consts, HAS_BIAS=has_bias)
             label = kernel.fn.__name__ + ("" if has_bias is None else f" HAS_BIAS={has_bias}") + \
-                (f" K={c['K']}" if "K" in kernel.arg_names and "K" in c else "")
+                (f" K={c['K']}" if "K" in kernel.arg_names and "K" in c else "") + \
+                (f" HAS_MASK={c['HAS_MASK']}" if "HAS_MASK" in c else "")
             try:
                 compile_for(kernel, {k: v for k, v in c.items() if k in kernel.arg_names}, warps, target)
                 print(f"ok      {label}")

@@ -66,7 +66,7 @@ def _greedy_loop(logits, drafts, num_drafts):
 
 
 def _check_greedy(logits, drafts, nd, block_v=None, splits=None):
-    picks, na = _verdict_greedy(logits, drafts, nd, block_v, splits)
+    picks, na = _verdict_greedy(logits, drafts, nd, block_v=block_v, num_splits=splits)
     r_picks, r_na = verdict_greedy_ref(logits, drafts, nd)
     l_picks, l_na = _greedy_loop(logits, drafts, nd)
     assert_unchanged("picks vs reference", r_picks, picks)
@@ -133,6 +133,61 @@ def test_verdict_greedy_large_vocab(device):
     drafts = logits.argmax(-1)[:, :1]
     _, na = _check_greedy(logits, drafts, torch.tensor([1], device=device))
     assert na.item() == 1
+
+
+def _random_bitmask(Bsz, K, V, device, p_allowed=0.3, seed=0):
+    """A packed (B, K, ceil(V/32)) int32 mask with bits past V clear, and the bool (B, K, V) it encodes."""
+    gen = torch.Generator().manual_seed(seed)
+    allowed = torch.rand(Bsz, K, V, generator=gen) < p_allowed
+    allowed[..., int(torch.randint(V, (), generator=gen))] = True  # never an empty row
+    W = (V + 31) // 32
+    bits = torch.zeros(Bsz, K, W * 32, dtype=torch.int64)
+    bits[..., :V] = allowed.long()
+    words = (bits.view(Bsz, K, W, 32) << torch.arange(32)).sum(-1)  # (B, K, W) as unsigned 32-bit values
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    return words.to(device), allowed.to(device)
+
+
+@pytest.mark.parametrize("Bsz, K, V, block_v, splits",
+                         [(3, 4, 77, 32, None), (2, 3, 1000, 128, 3), (4, 2, 4099, 256, 4)],
+                         ids=["B3-K4-V77-blk32", "B2-K3-V1000-blk128-3splits", "B4-K2-V4099-blk256-4splits"])
+def test_verdict_greedy_bitmask(device, Bsz, K, V, block_v, splits):
+    """The masked argmax over the allowed tokens; rows with an all-ones mask equal the unmasked verdict bit
+    for bit; the logits are not written."""
+    logits = 3 * torch.randn(Bsz, K, V, device=device)
+    bitmask, allowed = _random_bitmask(Bsz, K, V, device)
+    bitmask[0, 1:] = -1  # rows of sequence 0 past its first: no constraint (every bit set)
+    allowed[0, 1:] = True
+    want = logits.masked_fill(~allowed, float("-inf")).argmax(-1)  # (B, K)
+    drafts = want[:, : K - 1].clone()
+    drafts[-1, 0] = (drafts[-1, 0] + 1) % V  # last sequence: its first draft is rejected
+    nd = torch.full((Bsz,), K - 1, device=device)
+    before = logits.clone()
+    picks, na = _verdict_greedy(logits, drafts, nd, bitmask, block_v=block_v, num_splits=splits)
+    r_picks, r_na = verdict_greedy_ref(logits, drafts, nd, bitmask)
+    assert_unchanged("logits", before, logits)
+    assert_unchanged("masked picks vs reference", r_picks, picks)
+    assert_unchanged("masked picks vs masked argmax", want, picks)
+    assert_unchanged("masked na vs reference", r_na, na)
+    assert na.tolist() == [K - 1] * (Bsz - 1) + [0]
+    assert bool(allowed.gather(-1, picks[..., None]).all()), "a pick outside the mask"
+    plain_picks, _ = _verdict_greedy(logits, drafts, nd, block_v=block_v, num_splits=splits)
+    assert_unchanged("unmasked rows (all bits set)", plain_picks[0, 1:], picks[0, 1:])
+    # a mask that allows everything is no mask at all, in the kernel and the reference
+    ones = torch.full_like(bitmask, -1)
+    assert_unchanged("all-ones mask", plain_picks, _verdict_greedy(logits, drafts, nd, ones, block_v=block_v,
+                                                                   num_splits=splits)[0])
+    assert_unchanged("all-ones mask (reference)", verdict_greedy_ref(logits, drafts, nd)[0],
+                     verdict_greedy_ref(logits, drafts, nd, ones)[0])
+
+
+def test_verdict_greedy_bitmask_rejects_bad_masks(device):
+    logits = torch.randn(2, 3, 50, device=device)
+    drafts, nd = torch.zeros(2, 2, dtype=torch.long, device=device), torch.zeros(2, dtype=torch.long, device=device)
+    with pytest.raises(ValueError, match=r"verdict_greedy: bitmask must be int32 \(2, 3, 2\)"):
+        verdict_greedy(logits, drafts, nd, torch.zeros(2, 3, 1, dtype=torch.int32, device=device))
+    with pytest.raises(ValueError, match="verdict_greedy: bitmask must be int32"):
+        verdict_greedy(logits, drafts, nd, torch.zeros(2, 3, 2, dtype=torch.int64, device=device))
 
 
 def test_verdict_greedy_rejects_bad_shapes(device):
