@@ -8,6 +8,7 @@ import torch
 
 from nano_spec.cache import cache_bytes
 from nano_spec.config import ModelConfig
+from nano_spec.grammar import Grammars
 from nano_spec.model import HybridLM
 from nano_spec.ops import resolve_backend
 from nano_spec.planner import DraftPlanner
@@ -168,6 +169,7 @@ class LLM:
             raise ValueError(f"model: {path} is not a checkpoint directory")
         cfg = ModelConfig.from_file(path / "config.json")
         self.tokenizer = Tokenizer(path, cfg)
+        self.grammars = Grammars(path / "tokenizer.json", cfg.vocab_size, self.tokenizer.eos_ids)
         self.proposer = make_proposer(proposer, num_drafts, cfg.has_mtp)
         if dtype is None:  # CUDA: the stored dtype (bf16 for hub checkpoints); CPU: fp32, see README
             dtype = stored_dtype(path) if device.type == "cuda" else torch.float32
@@ -200,7 +202,7 @@ class LLM:
 
     # ---- requests --------------------------------------------------------------------
     def _prepare(self, prompt, params):
-        """Validate one request -> (token ids, params); nothing is queued yet."""
+        """Validate one request -> (token ids, params, grammar constraint or None); nothing is queued yet."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params: expected SamplingParams, got {type(params).__name__}")
@@ -217,7 +219,7 @@ class LLM:
         if len(ids) >= self.max_seq_len:
             raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate within max_seq_len "
                              f"{self.max_seq_len}")
-        return ids, params
+        return ids, params, self.grammars.constraint(params)
 
     def _output(self, prompt, seq) -> Output:
         lps = seq.logprobs if seq.params.logprobs else None
@@ -240,7 +242,7 @@ class LLM:
         if len(plist) != len(prompts):
             raise ValueError(f"params: {len(plist)} SamplingParams for {len(prompts)} prompts")
         requests = [self._prepare(p, sp) for p, sp in zip(prompts, plist)]  # all validated before any is queued
-        seqs = [self.scheduler.add(ids, sp) for ids, sp in requests]
+        seqs = [self.scheduler.add(*r) for r in requests]
         try:
             while not all(s.finished for s in seqs):
                 self._step()
@@ -259,6 +261,8 @@ class LLM:
     def stats(self) -> dict:
         """Telemetry since the engine started (metrics of docs/DESIGN.md §7), and the memory settings."""
         return {**self.telemetry.summary(), **(self.planner.summary() if self.planner else {}),
+                "grammar_compile_seconds": self.grammars.compile_seconds,
+                "grammars_compiled": self.grammars.num_compiled,
                 "max_seq_len": self.max_seq_len, "memory_bytes": self.cache_bytes, "memory_budget": self.memory_budget}
 
 

@@ -11,7 +11,10 @@ A proposer is any object with
 It returns its drafts and never writes engine state; `uniforms` (R, γ) is its own
 random draw (None when every row is greedy). γ <= γ_max is fixed or chosen per step
 (planner.py); it may be 0, and a proposer with state (the MTP head's KV rows) must
-still advance it then. `LLM(proposer=...)` takes a name or such an object.
+still advance it then. A sequence with a grammar carries its `constraint`
+(nano_spec/grammar.py): drafts the grammar refuses are only ever rejected, and a
+sampled draft's q must be the masked distribution it was drawn from (DESIGN §11).
+`LLM(proposer=...)` takes a name or such an object.
 
 `none`  plain decoding (γ = 0).
 `ngram` prompt lookup: the continuation of the latest earlier occurrence of the
@@ -22,6 +25,8 @@ still advance it then. `LLM(proposer=...)` takes a name or such an object.
 from dataclasses import dataclass
 
 import torch
+
+from nano_spec.grammar import DraftMasks
 
 
 @dataclass(frozen=True)
@@ -62,8 +67,9 @@ class NgramProposer:
         return self.next(model, cache, [seq], None, None, uniforms, gamma)
 
     def next(self, model, cache, seqs, step, verdict, uniforms, gamma) -> Drafts:
-        return Drafts.from_lists([ngram_lookup(s.tokens, gamma, self.max_n) for s in seqs], gamma,
-                                 next(model.parameters()).device)
+        found = [ngram_lookup(s.tokens, gamma, self.max_n) for s in seqs]
+        found = [d if s.constraint is None else d[: s.constraint.valid_prefix(d)] for d, s in zip(found, seqs)]
+        return Drafts.from_lists(found, gamma, next(model.parameters()).device)
 
 
 class MTPProposer:
@@ -77,31 +83,37 @@ class MTPProposer:
         o = model.mtp_prefill(next_ids, hidden, seq.slot, cache)  # (T, D)
         slots = torch.tensor([seq.slot], device=device)
         pos = torch.tensor([T], device=device)
-        return self._draft(model, cache, slots, o[-1:], pos, sampling, uniforms, gamma, kv_len=T + gamma)
+        return self._draft(model, cache, [seq], slots, o[-1:], pos, sampling, uniforms, gamma, kv_len=T + gamma)
 
     def next(self, model, cache, seqs, step, verdict, uniforms, gamma) -> Drafts:
         """Catch-up over the K verified rows at MTP positions seq_len.., next tokens = the emitted row;
         rows past na are computed but lie beyond the new frontier and are overwritten later."""
         o = model.mtp_step(verdict.emitted, step.hidden, step.slots, step.seq_lens, cache, step.kv_len)  # (R, K, D)
         seed = model.ops.gather_rows(o, verdict.na)  # (R, D): the row of the last accepted position
-        return self._draft(model, cache, step.slots, seed, step.seq_lens + verdict.na + 1, step.sampling, uniforms,
-                           gamma, step.kv_len)
+        return self._draft(model, cache, seqs, step.slots, seed, step.seq_lens + verdict.na + 1, step.sampling,
+                           uniforms, gamma, step.kv_len)
 
-    def _draft(self, model, cache, slots, o, pos, sampling, uniforms, gamma, kv_len) -> Drafts:
+    def _draft(self, model, cache, seqs, slots, o, pos, sampling, uniforms, gamma, kv_len) -> Drafts:
         """o (R, D): the MTP output at position pos-1 -> γ drafts.
 
         Step i > 1 feeds the previous draft and the previous MTP output at position pos + i - 2.
+        A constrained row picks draft i under the mask of its grammar after drafts 1..i-1.
         """
         if not gamma:  # the catch-up above kept the MTP's KV rows in step; no drafts this time
             return Drafts(slots.new_zeros(len(slots), 0), slots.new_zeros(len(slots)), None)
         drafts, probs = [], []
-        for i in range(gamma):
-            tok, q = sampling.pick(model.mtp_logits(o), None if uniforms is None else uniforms[:, i])
-            drafts.append(tok)
-            probs.append(q)
-            if i + 1 < gamma:
-                o = model.mtp_step(tok[:, None], o[:, None], slots, pos + i, cache, kv_len)[:, 0]
-        num = torch.full_like(slots, gamma)
+        masks = DraftMasks([s.constraint for s in seqs], gamma, slots.device)
+        try:
+            for i in range(gamma):
+                tok, q = sampling.pick(model.mtp_logits(o), None if uniforms is None else uniforms[:, i], masks.mask())
+                drafts.append(tok)
+                probs.append(q)
+                if i + 1 < gamma:
+                    masks.push(tok, i)
+                    o = model.mtp_step(tok[:, None], o[:, None], slots, pos + i, cache, kv_len)[:, 0]
+        finally:
+            masks.close()
+        num = torch.tensor(masks.num, device=slots.device) if masks.on else torch.full_like(slots, gamma)
         return Drafts(torch.stack(drafts, dim=1), num, None if sampling.all_greedy else torch.stack(probs, dim=1))
 
 

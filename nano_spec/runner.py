@@ -17,6 +17,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from nano_spec.cache import HybridCache
+from nano_spec.grammar import verify_bitmask
 from nano_spec.model import HybridLM
 from nano_spec.proposers import Drafts
 from nano_spec.sampling import BatchSampling, SamplingParams, token_logprobs, verdict
@@ -128,7 +129,8 @@ class ModelRunner:
         sampling = BatchSampling.of([seq.params], self.device)
         self.sampling.write(seq.slot, sampling)
         u = None if sampling.all_greedy else self._uniforms([seq], 1)[:, 0]  # draw "first token"
-        tok, _ = sampling.pick(logits, u)
+        mask = None if seq.constraint is None else seq.constraint.mask()[None].to(self.device)  # (1, W)
+        tok, _ = sampling.pick(logits, u, mask)
         self.seq_lens[seq.slot] = len(seq.tokens)
         self.last[seq.slot] = tok[0]
         zero = torch.zeros_like(tok)  # (1,): no drafts, none accepted
@@ -151,12 +153,17 @@ class ModelRunner:
         return Step(slots, seq_lens, drafts, self.num_drafts[slots].clamp(max=gamma), draft_probs, sampling, kv_len,
                     logits, self.cache.hidden_stash(B, K))
 
+    def bitmask(self, step: Step, seqs) -> torch.Tensor:
+        """(B, K, W) grammar masks of the verified rows (at least one of seqs is constrained): row j of a
+        constrained sequence allows what may follow its drafts[:j] (docs/DESIGN.md §11)."""
+        return verify_bitmask([s.constraint for s in seqs], step.drafts, step.num_drafts)
+
     @torch.no_grad()
-    def verdict(self, step: Step, seqs) -> Verdict:
+    def verdict(self, step: Step, seqs, bitmask=None) -> Verdict:
         """Accept counts and emitted tokens of the verified rows, judged on the device, copied once."""
         u = None if step.sampling.all_greedy else self._uniforms(seqs, step.logits.shape[1])  # draw "verdict"
         na, emitted = verdict(self.model.ops, step.logits, step.drafts, step.num_drafts, step.sampling,
-                              step.draft_probs, u)
+                              step.draft_probs, u, bitmask)
         self.seq_lens[step.slots] = step.seq_lens + na + 1  # the device copies follow the host, no copy back
         self.last[step.slots] = emitted.gather(1, na[:, None])[:, 0]
         return Verdict(na, emitted, self._host_results(step.logits, emitted, na, step.drafts, step.num_drafts, seqs))

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.verdict_greedy import unpack_bitmask
 from kernels.verdict_sample import sampling_probs_ref
 
 
@@ -23,6 +24,9 @@ class SamplingParams:
     stop_token_ids: tuple = ()
     ignore_eos: bool = False
     logprobs: int = 0             # 0: none; n >= 1: each token's logprob and the top-n alternatives
+    json_schema: dict | str | None = None  # structured output (nano_spec/grammar.py): at most one of
+    regex: str | None = None               # a JSON schema, a regular expression the whole output matches,
+    grammar: str | None = None             # or a Lark grammar
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -43,10 +47,18 @@ class SamplingParams:
              "a list of token ids >= 0"),
             ("ignore_eos", isinstance(self.ignore_eos, bool), "True or False"),
             ("logprobs", is_int(self.logprobs) and 0 <= self.logprobs <= 20, "an integer in [0, 20]"),
+            ("json_schema", self.json_schema is None or isinstance(self.json_schema, (dict, str)),
+             "None, a dict or a JSON string"),
+            ("regex", self.regex is None or isinstance(self.regex, str), "None or a string"),
+            ("grammar", self.grammar is None or isinstance(self.grammar, str), "None or a Lark grammar string"),
         )
         for name, valid, what in rules:
             if not valid:
                 raise ValueError(f"SamplingParams.{name}: must be {what}, got {getattr(self, name)!r}")
+        given = [f for f in ("json_schema", "regex", "grammar") if getattr(self, f) is not None]
+        if len(given) > 1:
+            raise ValueError(f"SamplingParams.{given[1]}: {' and '.join(given)} given; use at most one of "
+                             "json_schema, regex, grammar")
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(ids))
 
@@ -88,9 +100,11 @@ class BatchSampling:
         """logits (B, R, V) -> the filtered distribution (B, R, V) the rows sample from."""
         return sampling_probs_ref(logits, self.temperature, self.top_k, self.top_p)
 
-    def pick(self, logits, uniforms):
+    def pick(self, logits, uniforms, bitmask=None):
         """One token per row from logits (B, V): argmax on greedy rows, an inverse-CDF draw with
-        uniforms (B,) on sampled rows. Returns (tokens (B,), probs (B, V) or None when all greedy)."""
+        uniforms (B,) on sampled rows; only among the tokens a grammar bitmask (B, W) allows, if given.
+        Returns (tokens (B,), probs (B, V) or None when all greedy)."""
+        logits = masked(logits, bitmask)
         greedy_tok = logits.float().argmax(-1)
         if self.all_greedy:
             return greedy_tok, None
@@ -100,17 +114,23 @@ class BatchSampling:
         return torch.where(self.greedy, greedy_tok, drawn), probs
 
 
-def verdict(ops, logits, drafts, num_drafts, sampling: BatchSampling, draft_probs=None, uniforms=None):
+def masked(logits, bitmask):
+    """logits (..., V) with the tokens a bitmask (..., W) disallows at -inf (a copy); unchanged without one.
+    A sampled row then applies temperature, top-k and top-p among the allowed tokens only."""
+    return logits if bitmask is None else logits.masked_fill(~unpack_bitmask(bitmask, logits.shape[-1]), float("-inf"))
+
+
+def verdict(ops, logits, drafts, num_drafts, sampling: BatchSampling, draft_probs=None, uniforms=None, bitmask=None):
     """Judge K = drafts + 1 verified rows per sequence.
 
-    logits (B, K, V), drafts (B, K-1), num_drafts (B,) -> (na (B,), emitted (B, K)) where emitted[b, j]
-    is the token emitted at row j for j <= na[b] (accepted drafts, then the target's pick).
+    logits (B, K, V), drafts (B, K-1), num_drafts (B,), bitmask (B, K, W) or None -> (na (B,), emitted (B, K))
+    where emitted[b, j] is the token emitted at row j for j <= na[b] (accepted drafts, then the target's pick).
     """
     K = logits.shape[1]
-    picks, na = ops.verdict_greedy(logits, drafts, num_drafts)
+    picks, na = ops.verdict_greedy(logits, drafts, num_drafts, bitmask)  # the mask is applied in the pass
     emitted = picks
-    if not sampling.all_greedy:
-        na_s, tok_s = ops.verdict_sample(logits, draft_probs, drafts, num_drafts, uniforms,
+    if not sampling.all_greedy:  # the target p is the masked one; the drafts' q were masked alike
+        na_s, tok_s = ops.verdict_sample(masked(logits, bitmask), draft_probs, drafts, num_drafts, uniforms,
                                          sampling.temperature, sampling.top_k, sampling.top_p)
         j = torch.arange(K, device=logits.device)
         padded = torch.cat([drafts, drafts.new_zeros(drafts.shape[0], 1)], dim=1)  # (B, K)

@@ -32,6 +32,7 @@ class Sequence:
     error: str | None = None         # what went wrong, when finish_reason is "error"
     text: str | None = None          # set when a stop string cut the text
     decoder: object = None           # IncrementalDecoder of the generated tokens
+    constraint: object = None        # grammar.Constraint of a structured-output request, over its emitted tokens
     logprobs: list = field(default_factory=list)
     origins: list = field(default_factory=list)  # per generated token: prefill, draft, correction or bonus
     verify_steps: int = 0
@@ -85,8 +86,9 @@ class Scheduler:
         self.next_id = 0
         self.steps = 0
 
-    def add(self, prompt_ids: list, params: SamplingParams) -> Sequence:
-        seq = Sequence(self.next_id, len(prompt_ids), list(prompt_ids), params, decoder=IncrementalDecoder(self.tok))
+    def add(self, prompt_ids: list, params: SamplingParams, constraint=None) -> Sequence:
+        seq = Sequence(self.next_id, len(prompt_ids), list(prompt_ids), params, decoder=IncrementalDecoder(self.tok),
+                       constraint=constraint)
         self.next_id += 1
         self.waiting.append(seq)
         return seq
@@ -169,8 +171,12 @@ class Scheduler:
         gamma = self.gamma
         with self.tel.phase("verify"):
             step = self.runner.verify(batch, gamma)
+        bitmask = None
+        if any(s.constraint is not None for s in batch):  # host work only for batches with a grammar
+            with self.tel.phase("mask"):
+                bitmask = self.runner.bitmask(step, batch)
         with self.tel.phase("verdict"):
-            verdict = self.runner.verdict(step, batch)
+            verdict = self.runner.verdict(step, batch, bitmask)
         active = []
         for seq, r in zip(batch, verdict.rows):
             emitted = self._apply(seq, r) if r.ok else []
@@ -185,7 +191,7 @@ class Scheduler:
                 seq.error, seq.finish_reason = err, "error"
         active = [a and good for a, good in zip(active, ok)]
         if self.planner:  # this step's cost and acceptance in, the next step's γ out
-            secs = sum(self.tel.step_seconds.get(p, 0.0) for p in ("verify", "verdict", "commit"))
+            secs = sum(self.tel.step_seconds.get(p, 0.0) for p in ("verify", "mask", "verdict", "commit"))
             self.planner.observe_step(len(batch), gamma, secs, [(r.na, len(r.drafts)) for r in verdict.rows if r.ok])
             self.gamma = self.planner.choose(sum(active))
         if any(active):
@@ -210,7 +216,7 @@ class Scheduler:
                 break
         seq.verify_steps += 1
         seq.verified_tokens += r.na + 1
-        self.tel.record_verify(r.na, len(seq.tokens) - before, seq_len)
+        self.tel.record_verify(r.na, len(seq.tokens) - before, seq_len, seq.constraint is not None)
         return seq.tokens[before:]
 
     def _emit(self, seq: Sequence, token: int, logprob, origin: str):
@@ -219,8 +225,12 @@ class Scheduler:
         new_text = seq.decoder.add(token)
         if seq.params.logprobs:
             seq.logprobs.append(logprob)
-        p = seq.params
-        if token in p.stop_token_ids or (token in self.tok.eos_ids and not p.ignore_eos):
+        p, c = seq.params, seq.constraint
+        if c is not None and not c.consume(token):  # not reached: every pick and draft is made under the mask
+            seq.error, seq.finish_reason = f"grammar: {c.error}", "error"
+        elif token in p.stop_token_ids or (token in self.tok.eos_ids and not p.ignore_eos):
+            seq.finish_reason = "stop"
+        elif c is not None and c.stopped:  # the grammar is complete: only EOS could follow
             seq.finish_reason = "stop"
         elif new_text and p.stop and self._cut_at_stop(seq, len(new_text)):
             seq.finish_reason = "stop"

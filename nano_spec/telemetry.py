@@ -5,7 +5,8 @@ the number of steps). Time comes from an injected clock so tests can drive it.
     tau          = Σ (na + 1) / verify steps           tokens each verify produced, bonus included
     accept_at[j] = #(verify steps with na > j) / verify steps
 so tau = 1 + Σ_j accept_at[j] exactly. On the step where a sequence finishes it may
-emit fewer than na + 1 tokens; `emitted` counts what was emitted.
+emit fewer than na + 1 tokens; `emitted` counts what was emitted. `constrained` holds
+tau and accept_at of the requests with a grammar alone.
 
 On CUDA the phases are host times: queued GPU work is charged to the phase that
 waits for it (the verdict, which copies the accept counts to the host).
@@ -14,7 +15,7 @@ import time
 from collections import defaultdict
 from contextlib import contextmanager
 
-PHASES = ("prefill", "propose", "verify", "verdict", "commit")
+PHASES = ("prefill", "propose", "verify", "mask", "verdict", "commit")  # mask: the verify's grammar masks
 SEQ_LEN_BUCKETS = (0, 128, 512, 2048, 8192)  # lower edges
 HIST_EDGES_MS = (0.1, 0.3, 1, 3, 10, 30, 100, 300, 1000)  # upper edges; one overflow bucket
 
@@ -43,6 +44,7 @@ class Telemetry:
         self.accepted_gt = [0] * self.num_drafts  # steps with na > j
         self.by_bucket = defaultdict(lambda: [0, [0] * self.num_drafts])  # bucket -> [steps, accepted_gt]
         self.propose_failures = 0             # drafting faults; those sequences went on without drafts
+        self.constrained = [0, 0, [0] * self.num_drafts]  # requests with a grammar: steps, Σ (na + 1), na > j
 
     def begin_step(self):
         self.step_seconds = {}
@@ -61,8 +63,13 @@ class Telemetry:
         ms = seconds * 1e3
         self.phase_counts[name][next((i for i, e in enumerate(HIST_EDGES_MS) if ms <= e), len(HIST_EDGES_MS))] += 1
 
-    def record_verify(self, na: int, emitted: int, seq_len: int):
+    def record_verify(self, na: int, emitted: int, seq_len: int, constrained: bool = False):
         """One sequence's verdict: na accepted drafts, of which `emitted` tokens were emitted."""
+        if constrained:
+            self.constrained[0] += 1
+            self.constrained[1] += na + 1
+            for j in range(min(na, self.num_drafts)):
+                self.constrained[2][j] += 1
         self.verify_steps += 1
         self.verified += na + 1
         self.emitted += emitted
@@ -81,12 +88,14 @@ class Telemetry:
         return [a / self.verify_steps if self.verify_steps else 0.0 for a in self.accepted_gt]
 
     def summary(self) -> dict:
+        cs, cv, cgt = self.constrained
         return {
             "tau": self.tau,
             "accept_at": self.accept_at,
             "verify_steps": self.verify_steps,
             "emitted": self.emitted,
             "propose_failures": self.propose_failures,
+            "constrained": {"verify_steps": cs, "tau": cv / max(cs, 1), "accept_at": [a / max(cs, 1) for a in cgt]},
             "accept_at_by_seq_len": {k: {"steps": s, "accept_at": [a / s for a in acc]}
                                      for k, (s, acc) in sorted(self.by_bucket.items())},
             "phase_seconds": dict(self.phase_seconds),
