@@ -111,8 +111,8 @@ def test_the_chi_square_test_catches_a_biased_verdict(model, joint, monkeypatch)
     """Negative control: accepting every draft gives the draft's distribution, which the test must reject."""
     real = sampling_mod.verdict
 
-    def accept_all(ops, logits, drafts, num_drafts, sampling, draft_probs=None, uniforms=None):
-        na, emitted = real(ops, logits, drafts, num_drafts, sampling, draft_probs, uniforms)
+    def accept_all(ops, logits, drafts, num_drafts, sampling, draft_probs=None, uniforms=None, bitmask=None):
+        na, emitted = real(ops, logits, drafts, num_drafts, sampling, draft_probs, uniforms, bitmask)
         K = logits.shape[1]
         na = num_drafts.clone()
         padded = torch.cat([drafts, emitted[:, -1:]], 1)
