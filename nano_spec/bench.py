@@ -5,6 +5,8 @@ At each batch size it builds one engine per configuration: plain decoding (γ = 
 GraniteMoeHybridForCausalLM.generate on the same base weights. It warms each up, then times
 them in turn for --repeats rounds in one process, asserts that every greedy output equals
 plain decoding's, and prints a table, the targets of the README and, last, one JSON line.
+With --json-schema FILE every nano_spec configuration also runs under that schema
+("+schema"), its outputs checked against plain decoding under the same schema.
 
     speedup = tokens/s / tokens/s of plain decoding at the same batch size
     tokens/s from the median wall time of the rounds; CPU seconds (all threads) beside it
@@ -72,7 +74,17 @@ def parse_args(argv):
     p.add_argument("--backend", default="auto")
     p.add_argument("--device", default="auto")
     p.add_argument("--plot", help="write a PNG of tau and speedup vs γ and accept_at by position")
+    p.add_argument("--json-schema", metavar="FILE", help="also run every configuration under this JSON schema")
     return p.parse_args(argv)
+
+
+def load_schema(path: str) -> dict:
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ValueError(f"--json-schema: cannot read {path} ({e.strerror})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"--json-schema: {path} is not JSON ({e})") from None
 
 
 def load_prompts(args, model_dir: Path) -> list:
@@ -91,21 +103,26 @@ def load_prompts(args, model_dir: Path) -> list:
 class Engine:
     """One nano_spec configuration: generate() -> token ids per prompt, stats of the last call."""
 
-    def __init__(self, model_dir, proposer, gamma, batch, args):
-        self.name = "plain" if proposer == "none" else f"{proposer} γ={gamma}"
-        self.proposer, self.gamma = proposer, gamma
+    def __init__(self, model_dir, proposer, gamma, batch, args, schema=None):
+        self.name = ("plain" if proposer == "none" else f"{proposer} γ={gamma}") + (" +schema" if schema else "")
+        self.proposer, self.gamma, self.schema = proposer, gamma, schema
         self.llm = LLM(model_dir, backend=args.backend, device=args.device, max_batch=batch, num_drafts=gamma,
                        proposer=proposer, threads=args.threads)
 
     def generate(self, ids, max_new_tokens):
         self.llm.telemetry.reset()  # the planner keeps learning across rounds, as in a server
-        outs = self.llm.generate(ids, SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True))
+        # under a schema a complete output finishes with "stop" even with ignore_eos
+        outs = self.llm.generate(ids, SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True,
+                                                     json_schema=self.schema))
         return [o.token_ids for o in outs]
 
     def stats(self):
         st = self.llm.stats
         steps_s = sum(v for k, v in st["phase_seconds"].items() if k != "prefill")  # what the planner models
-        return {"steps_s": steps_s, **{k: st.get(k) for k in ("tau", "accept_at", "gamma_hist", "predicted_speedup")}}
+        masks = sum(st["phase_histogram_ms"]["mask"])  # engine steps that built grammar masks
+        return {"steps_s": steps_s, **{k: st.get(k) for k in ("tau", "accept_at", "gamma_hist", "predicted_speedup")},
+                "mask_ms_per_step": st["phase_seconds"]["mask"] * 1e3 / masks if masks else None,
+                "grammar_compile_s": st["grammar_compile_seconds"]}
 
 
 class Transformers:
@@ -173,6 +190,7 @@ def main(argv=None) -> int:
     try:
         model_dir = Path(args.model) if args.model else shipped_weights()
         prompts = load_prompts(args, model_dir)
+        schema = load_schema(args.json_schema) if args.json_schema else None
         if any(g < 1 for g in args.gammas) or any(b < 1 for b in args.batch) or args.repeats < 1:
             raise ValueError("--gammas, --batch and --repeats take integers >= 1")
         table = {}
@@ -181,6 +199,7 @@ def main(argv=None) -> int:
             configs += [] if args.no_auto else [("mtp", "auto")]
             configs += [] if args.no_ngram else [("ngram", 3)]
             engines = [Engine(model_dir, p, g, b, args) for p, g in configs]
+            engines += [Engine(model_dir, p, g, b, args, schema) for p, g in configs] if schema else []
             ids = [engines[0].llm.tokenizer.encode(p) for p in prompts]
             if args.vs_transformers:
                 engines.append(Transformers(model_dir, b, next(engines[0].llm.model.parameters()).device))
@@ -191,9 +210,10 @@ def main(argv=None) -> int:
         return 2
     for b, rows in table.items():
         for r in rows.values():
-            assert r["outputs"] == rows["plain"]["outputs"], f"greedy outputs differ: {r['config']} at batch {b}"
-            r["speedup"] = r["tokens_per_s"] / rows["plain"]["tokens_per_s"]
-            r["step_speedup"] = rows["plain"]["steps_s"] / r["steps_s"] if r["steps_s"] else None
+            base = rows["plain +schema" if r["config"].endswith("+schema") else "plain"]
+            assert r["outputs"] == base["outputs"], f"greedy outputs differ: {r['config']} at batch {b}"
+            r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"]
+            r["step_speedup"] = base["steps_s"] / r["steps_s"] if r["steps_s"] else None
     print(f"model {model_dir.name}, {len(prompts)} prompts x {args.max_new_tokens} new tokens, greedy, "
           f"median of {args.repeats} interleaved rounds; "
           "outputs identical to plain decoding: yes")
@@ -207,6 +227,9 @@ def main(argv=None) -> int:
                 f"steps by γ {r['gamma_hist']}"
             if r["config"] == "transformers":
                 note = "no MTP in transformers; its prompt lookup refuses this stateful model"
+            if r["config"].endswith("+schema"):  # mask: the verify's grammar masks; masked drafting is in propose
+                note = f"vs plain +schema; mask {r['mask_ms_per_step']:.3f} ms/step, compile " \
+                       f"{r['grammar_compile_s'] * 1e3:.1f} ms" + (f"; {note}" if note else "")
             print(f"{b:>5} {r['threads']:>3} {r['config']:<13} {r['tokens_per_s']:>9.1f} {r['wall_s']:>7.2f} "
                   f"{r['cpu_s']:>7.2f} "
                   f"{tau:>6} {r['speedup']:>7.2f}x  {note}")
@@ -217,7 +240,7 @@ def main(argv=None) -> int:
         print(f"  {name:<48} goal >= {goal:.2f}  {shown}")
     rows = [r for rows in table.values() for r in rows.values()]
     if args.plot:
-        plot(rows, args.plot)
+        plot([r for r in rows if not r["config"].endswith("+schema")], args.plot)
     print(json.dumps({"model": model_dir.name, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
                       "identical": True,
                       "rows": [{k: v for k, v in r.items() if k != "outputs"} for r in rows]}))

@@ -40,12 +40,37 @@ def parse_args(argv):
     p.add_argument("--threads", type=int, help="torch threads (default: 1 for small work on a CPU, see README)")
     p.add_argument("--max-seq-len", type=int)
     p.add_argument("--logprobs", type=int, default=0, help="report each token's logprob and the top-N")
+    p.add_argument("--json-schema", metavar="FILE", help="structured output: a JSON schema the output follows")
+    p.add_argument("--regex", metavar="PATTERN", help="structured output: a regular expression the output matches")
+    p.add_argument("--grammar", metavar="FILE", help="structured output: a Lark grammar the output follows")
     p.add_argument("--stats", action="store_true", help="print tau, accept_at, tokens/s and phase times")
     p.add_argument("--json", action="store_true", help="one JSON object per request on stdout")
     p.add_argument("--show-drafts", action="store_true",
                    help="colour each token by origin: accepted draft, correction, bonus (plain marks without a tty)")
     p.add_argument("--trace", action="store_true", help="one line per step and sequence on stderr")
     return p.parse_args(argv)
+
+
+def read_constraint(args) -> dict:
+    """The structured-output fields of SamplingParams from --json-schema / --regex / --grammar."""
+    out = {"regex": args.regex} if args.regex is not None else {}
+    for flag, field in (("--json-schema", "json_schema"), ("--grammar", "grammar")):
+        path = getattr(args, field)
+        if path is None:
+            continue
+        try:
+            with open(path, encoding="utf-8") as f:
+                out[field] = f.read()
+        except OSError as e:
+            raise ValueError(f"{flag}: cannot read {path} ({e.strerror})") from None
+        except UnicodeDecodeError:
+            raise ValueError(f"{flag}: {path} is not UTF-8 text") from None
+        if field == "json_schema":
+            try:
+                out[field] = json.loads(out[field])
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--json-schema: {path} is not JSON ({e})") from None
+    return out
 
 
 def read_prompts(args) -> list:
@@ -120,7 +145,7 @@ def main(argv=None) -> int:
     try:
         prompts = read_prompts(args)
         params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                                top_p=args.top_p, seed=args.seed, logprobs=args.logprobs)
+                                top_p=args.top_p, seed=args.seed, logprobs=args.logprobs, **read_constraint(args))
         llm = LLM(args.model, backend=args.backend, device=args.device, dtype=args.dtype, max_batch=args.max_batch,
                   num_drafts=0 if args.no_spec else args.num_drafts, proposer="none" if args.no_spec else args.proposer,
                   max_seq_len=args.max_seq_len, threads=args.threads)
@@ -128,8 +153,8 @@ def main(argv=None) -> int:
             llm.on_step = tracer(llm.tokenizer)
         t0 = time.perf_counter()
         if len(prompts) == 1 and not (args.json or args.show_drafts):
+            stream = llm.stream(prompts[0], params)  # validates the request before anything is printed
             print(prompts[0], end="", flush=True)
-            stream = llm.stream(prompts[0], params)
             for piece in stream:
                 print(piece, end="", flush=True)
             print()
@@ -170,6 +195,10 @@ def print_stats(st: dict, good: list, elapsed: float):
     for bucket, b in st["accept_at_by_seq_len"].items():
         print(f"  seq_len {bucket:<9} steps {b['steps']:<6} accept_at {[round(a, 3) for a in b['accept_at']]}",
               file=sys.stderr)
+    c = st["constrained"]
+    if c["verify_steps"]:
+        print(f"  with a grammar: tau {c['tau']:.3f}  accept_at {[round(a, 3) for a in c['accept_at']]}  verify steps "
+              f"{c['verify_steps']}  grammar compile {st['grammar_compile_seconds'] * 1e3:.1f} ms", file=sys.stderr)
     for phase, secs in st["phase_seconds"].items():
         print(f"  {phase:<8} {secs * 1e3:9.1f} ms  histogram {st['phase_histogram_ms'][phase]}", file=sys.stderr)
     print(f"  histogram bucket upper edges (ms): {st['phase_histogram_ms']['edges']}", file=sys.stderr)
