@@ -38,3 +38,15 @@ def test_engine_lossless_on_triton(tmp_path, device):
     plain = LLM(ckpt, backend="torch", device=device, proposer="none", max_batch=2).generate(prompts, params)
     spec = LLM(ckpt, backend="triton", device=device, proposer="mtp", num_drafts=3, max_batch=2).generate(prompts, params)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+
+
+def test_constrained_engine_lossless_on_triton(tmp_path, device):
+    """The grammar bitmask through the Triton greedy verdict: same tokens as plain constrained decoding on torch."""
+    ckpt = tiny_checkpoint(tmp_path / "tiny", seed=6)
+    prompts = ["def f(x):", "h"]
+    params = [SamplingParams(max_new_tokens=8, regex="(def|class) [a-z_]{1,4}"),
+              SamplingParams(max_new_tokens=4, ignore_eos=True)]
+    plain = LLM(ckpt, backend="torch", device=device, proposer="none", max_batch=2).generate(prompts, params)
+    spec = LLM(ckpt, backend="triton", device=device, proposer="mtp", num_drafts=3, max_batch=2).generate(prompts, params)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert plain[0].finish_reason == "stop" and plain[0].text.startswith(("def ", "class "))
