@@ -134,7 +134,10 @@ class Grammars:
         if field is None:
             return None
         value = getattr(params, field)
-        key = (field, json.dumps(value, sort_keys=True) if isinstance(value, dict) else value)
+        try:
+            key = (field, json.dumps(value, sort_keys=True) if isinstance(value, dict) else value)
+        except (TypeError, ValueError) as e:  # a dict holding something JSON cannot write
+            raise ValueError(f"SamplingParams.{field}: invalid ({e})") from None
         if key not in self.compiled:
             t0 = time.perf_counter()
             if self.tok is None:  # vocabulary as large as the model's: the padding ids exist and stay disallowed

@@ -214,6 +214,7 @@ def test_bad_constraints_name_the_field(ckpt):
     llm = LLM(ckpt, proposer="mtp", num_drafts=2)
     cases = [(dict(json_schema={"type": "foo"}), "SamplingParams.json_schema: invalid .*Invalid type"),
              (dict(json_schema="{not json"), "SamplingParams.json_schema: invalid"),
+             (dict(json_schema={"type": "object", "default": {1, 2}}), "SamplingParams.json_schema: invalid"),
              (dict(regex="(ab"), "SamplingParams.regex: invalid .*unclosed group"),
              (dict(grammar="start: foo"), 'SamplingParams.grammar: invalid .*unknown name: "foo"')]
     for kw, message in cases:

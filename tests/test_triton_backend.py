@@ -47,6 +47,7 @@ def test_constrained_engine_lossless_on_triton(tmp_path, device):
     params = [SamplingParams(max_new_tokens=8, regex="(def|class) [a-z_]{1,4}"),
               SamplingParams(max_new_tokens=4, ignore_eos=True)]
     plain = LLM(ckpt, backend="torch", device=device, proposer="none", max_batch=2).generate(prompts, params)
-    spec = LLM(ckpt, backend="triton", device=device, proposer="mtp", num_drafts=3, max_batch=2).generate(prompts, params)
+    spec = LLM(ckpt, backend="triton", device=device, proposer="mtp", num_drafts=3, max_batch=2)
+    spec = spec.generate(prompts, params)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     assert plain[0].finish_reason == "stop" and plain[0].text.startswith(("def ", "class "))
