@@ -42,12 +42,16 @@ class Constraint:
                 break
             n += 1
             out[j + 1] = self.mask()
-        self.m.rollback(n)
+        self.rollback(n)
         return out
 
     def push(self, token: int) -> bool:
         """Advance speculatively; a refused token leaves the state as it was (no error state)."""
         return self.m.try_consume_tokens([token]) == 1
+
+    def rollback(self, n: int):
+        if n:
+            self.m.rollback(n)
 
     def valid_prefix(self, tokens: list) -> int:
         """How many leading tokens the grammar allows, in order."""
@@ -102,7 +106,7 @@ class DraftMasks:
     def close(self):
         for c, n in zip(self.cons, self.pushed):
             if n:
-                c.m.rollback(n)
+                c.rollback(n)
         self.pushed = [0] * len(self.cons)
 
 

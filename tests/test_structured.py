@@ -177,7 +177,7 @@ def enumerate_outputs(llm, prompt: list, masked: bool) -> dict:
         for t in allowed.nonzero()[:, 0].tolist():
             assert c.consume(t)
             walk(path + [t], prob * float(p[t]))
-            c.m.rollback(1)
+            c.rollback(1)
 
     walk([], 1.0)
     total = sum(out.values())
