@@ -250,3 +250,20 @@ def test_cli_structured_output(ckpt, tmp_path):
     for args, message in cases.items():
         rc, out, err = cli(*args)
         assert rc == 2 and message in err and "Traceback" not in err and not out, (args, err)
+
+
+def test_bench_under_a_schema(ckpt, tmp_path):
+    prompts, schema = tmp_path / "p.jsonl", tmp_path / "s.json"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:3]))
+    schema.write_text(json.dumps(SCHEMAS[0][0]))
+    r = subprocess.run([sys.executable, "-m", "nano_spec.bench", "--model", str(ckpt), "--prompts-file", str(prompts),
+                        "--json-schema", str(schema), "--max-new-tokens", "40", "--gammas", "2", "--batch", "2",
+                        "--no-ngram", "--no-auto", "--repeats", "1", "--backend", "torch"],
+                       capture_output=True, text=True, timeout=300,
+                       env={"PYTHONPATH": "", "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr
+    rows = {row["config"]: row for row in json.loads(r.stdout.strip().splitlines()[-1])["rows"]}
+    assert set(rows) == {"plain", "mtp γ=2", "plain +schema", "mtp γ=2 +schema"}
+    s = rows["mtp γ=2 +schema"]
+    assert s["tau"] > 1 and s["speedup"] > 0 and s["mask_ms_per_step"] > 0 and s["grammar_compile_s"] > 0
+    assert rows["mtp γ=2"]["mask_ms_per_step"] is None and "vs plain +schema" in r.stdout
