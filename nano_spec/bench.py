@@ -157,6 +157,11 @@ class Transformers:
         return {"steps_s": None, "tau": None, "accept_at": None, "gamma_hist": None, "predicted_speedup": None}
 
 
+def _median(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
 def measure(engines, ids, args) -> list:
     """Warm every engine up, then time them in turn, args.repeats rounds (the order rotates)."""
     for e in engines:
@@ -171,7 +176,9 @@ def measure(engines, ids, args) -> list:
             outputs[e.name] = e.generate(ids, args.max_new_tokens)
             times[e.name].append(time.perf_counter() - w0)
             cpu[e.name].append(time.process_time() - c0)
-            stats[e.name] = e.stats()  # of the last round
+            steps_s = stats.get(e.name, {}).get("steps_rounds", [])
+            stats[e.name] = e.stats()  # of the last round, but the median of the step seconds
+            stats[e.name]["steps_rounds"] = steps_s + [stats[e.name]["steps_s"]]
     print(file=sys.stderr)
     rows = []
     for e in engines:
@@ -181,6 +188,7 @@ def measure(engines, ids, args) -> list:
                      "threads": torch.get_num_threads(), "tokens": tokens, "wall_s": wall,
                      "cpu_s": statistics.median(cpu[e.name]), "tokens_per_s": tokens / wall,
                      "rounds_s": times[e.name], **stats[e.name],
+                     "steps_s": _median(stats[e.name]["steps_rounds"]),
                      "outputs": outputs[e.name]})
     return rows
 
