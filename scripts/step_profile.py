@@ -81,6 +81,7 @@ def main(argv=None):
     for b in args.batch:
         for g in args.gammas:
             llm = LLM(str(model), backend="torch", max_batch=b, num_drafts=g, proposer="mtp" if g else "none")
+            torch.set_num_threads(args.threads)  # after LLM(), which may set its own default
             for name, r in profile(llm, prompts[:b], params, args.runs).items():
                 rows.append({"batch": b, "gamma": g, "phase": name, **r})
                 print(f"batch {b:>2} γ={g}  {name:<8} calls {r['calls']:>4}  ops/call {r['ops_per_call']:>7.1f}  "
