@@ -45,6 +45,7 @@ class DraftPlanner:
         # costs are kept per sequence (seconds / B) by batch-size class B.bit_length(): 1, 2-3, 4-7, ...,
         # so a batch that shrinks by one sequence at its tail does not start from the priors again
         self.plain = {}                  # class -> Decayed seconds of a γ = 0 step
+        self.bare = {}                   # class -> the same without the MTP catch-up plain decoding skips
         self.seen = {}                   # (class, γ >= 1) -> Decayed seconds
         self.line = {}                   # class -> decayed [Σw, Σwγ, Σwγ², Σwt, Σwγt] of γ >= 1 steps
         self.pending = {}                # γ -> propose seconds that drafted the coming verify
@@ -92,6 +93,13 @@ class DraftPlanner:
         t0 = self.step_cost(B, 0)
         return [self.expected_tokens(g) * t0 / self.step_cost(B, g) for g in range(self.max_drafts + 1)]
 
+    def predicted_speedup(self, B: int, gamma: int) -> float:
+        """E(γ) t_plain / t_B(γ) against plain decoding, whose steps skip the catch-up that an "auto"
+        step with γ = 0 still runs (the choice itself compares the steps "auto" can take)."""
+        bare = self.bare.get(max(B, 1).bit_length())
+        t_plain = max(B, 1) * bare.mean if bare is not None else self.step_cost(B, 0)
+        return self.expected_tokens(gamma) * t_plain / self.step_cost(B, gamma)
+
     # ---- the loop's calls ----------------------------------------------------------------
     def choose(self, B: int) -> int:
         """γ_eff for the next step of a batch of B sequences."""
@@ -109,13 +117,14 @@ class DraftPlanner:
     def observe_step(self, B: int, gamma: int, seconds: float, results: list):
         """A verify step at γ: its seconds (verify + verdict + commit) and (na, nd) per sequence."""
         drafted = self.pending.pop(gamma, None)  # None: drafted at admission, not a step's propose
-        seconds += drafted or 0.0
+        verify_s, seconds = seconds, seconds + (drafted or 0.0)
         c = B.bit_length()
         if c in self.plain or c in self.line:  # a stall of the machine is not the step's cost
             seconds = min(seconds, 3 * self.step_cost(B, gamma))
         per_seq = seconds / B
         if gamma == 0:
             self.plain.setdefault(c, Decayed(self.keep_cost)).add(per_seq)
+            self.bare.setdefault(c, Decayed(self.keep_cost)).add(min(verify_s, seconds) / B)
         elif drafted is not None:
             self.seen.setdefault((c, gamma), Decayed(self.keep_cost)).add(per_seq)
             k = self.keep_cost
@@ -123,7 +132,7 @@ class DraftPlanner:
                                                       (1.0, gamma, gamma * gamma, per_seq, gamma * per_seq))]
         self.hist[gamma] += 1
         self.pred_time += seconds
-        self.pred_weighted += self.speedups(B)[gamma] * seconds
+        self.pred_weighted += self.predicted_speedup(B, gamma) * seconds
         k = self.keep_accept
         self.trials = [k * t for t in self.trials]
         self.hits = [k * h for h in self.hits]
