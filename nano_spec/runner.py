@@ -81,11 +81,11 @@ class ModelRunner:
         self.model, self.proposer = model.fuse_qkv(), proposer
         self.cfg = model.cfg
         self.gamma = proposer.num_drafts  # γ_max: drafts kept per slot; a step verifies γ <= γ_max of them
-        self.K = self.gamma + 1
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         # headroom past max_seq_len: a verify writes K rows and the MTP drafts γ more
-        self.cache = HybridCache(self.cfg, num_slots, max_seq_len + 2 * self.K, self.K, self.device, self.dtype)
+        K = self.gamma + 1  # the most rows a verify can hold
+        self.cache = HybridCache(self.cfg, num_slots, max_seq_len + 2 * K, K, self.device, self.dtype)
         self.drafts = torch.zeros(num_slots, self.gamma, dtype=torch.long, device=self.device)  # (S, γ)
         self.num_drafts = torch.zeros(num_slots, dtype=torch.long, device=self.device)         # (S,)
         self.draft_probs = None  # (S, γ, V), allocated on the first sampled request
@@ -252,15 +252,12 @@ class ModelRunner:
         u = None if step.sampling.all_greedy or not live else self._uniforms([seqs[i] for i in live], gamma)
 
         def propose(rows):  # rows index the batch; u was drawn once, so a retry sees the same numbers
-            sub = [seqs[i] for i in rows]
-            if len(rows) == len(seqs):  # the whole batch: no row selection to upload
-                drafts = self.proposer.next(self.model, self.cache, sub, step, verdict, u, gamma)
-            else:
+            sub, st, vd, uu = [seqs[i] for i in rows], step, verdict, u
+            if len(rows) < len(seqs):  # a part of the batch (the whole batch needs no selection uploaded)
                 idx = self._tensor(rows)
-                drafts = self.proposer.next(self.model, self.cache, sub, step.select(idx),
-                                            verdict.select(rows, idx),
-                                            None if u is None else u[[live.index(i) for i in rows]], gamma)
-            self._store(sub, drafts)
+                st, vd = step.select(idx), verdict.select(rows, idx)
+                uu = None if u is None else u[[live.index(i) for i in rows]]
+            self._store(sub, self.proposer.next(self.model, self.cache, sub, st, vd, uu, gamma))
 
         ok = self._isolated(propose, active)[0]
         self._store([s for s, a, good in zip(seqs, active, ok) if a and not good], None)
