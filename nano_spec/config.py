@@ -25,6 +25,11 @@ FLOATS = ("embedding_multiplier", "attention_multiplier", "residual_multiplier",
           "rms_norm_eps", "rope_theta")
 
 
+def is_int(v, lo: int = 0, hi: float = math.inf) -> bool:
+    """An int in [lo, hi]; a bool is not one, though Python counts True as 1."""
+    return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+
+
 class ConfigError(ValueError):
     """A config.json that nano_spec cannot build a model from; the message names the field."""
 
@@ -153,7 +158,7 @@ class ModelConfig:
     def _validate(self):
         for name, cap in LIMITS.items():
             v = self.num_hidden_layers if name == "num_hidden_layers" else getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0 or v > cap:
+            if not is_int(v, 0, cap):
                 raise ConfigError(f"{name}: {v!r} is not an integer in [0, {cap}]")
         for name in FLOATS:
             v = getattr(self, name)

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from nano_spec.cache import cache_bytes
-from nano_spec.config import ModelConfig
+from nano_spec.config import ModelConfig, is_int
 from nano_spec.grammar import Grammars
 from nano_spec.model import HybridLM
 from nano_spec.ops import resolve_backend
@@ -147,18 +147,14 @@ class LLM:
             raise ValueError(f"model: expected a checkpoint directory path, got {type(model).__name__}")
         path = Path(model) if model is not None else shipped_weights()
         device = _device(device)
-        if isinstance(dtype, str):
-            if dtype not in DTYPES:
-                raise ValueError(f"dtype: {dtype!r} is not one of {sorted(DTYPES)}")
-            dtype = DTYPES[dtype]
+        dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
         if dtype is not None and dtype not in DTYPES.values():
             raise ValueError(f"dtype: {dtype!r} is not one of {sorted(DTYPES)} or their torch dtypes")
-        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or not 1 <= max_batch <= 1024:
+        if not is_int(max_batch, 1, 1024):
             raise ValueError(f"max_batch: {max_batch!r} must be an integer in [1, 1024]")
-        if memory_budget is not None and (isinstance(memory_budget, bool) or not isinstance(memory_budget, int)
-                                          or memory_budget < 1):
+        if memory_budget is not None and not is_int(memory_budget, 1):
             raise ValueError(f"memory_budget: {memory_budget!r} must be a positive integer (bytes) or None")
-        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        if threads is not None and not is_int(threads, 1):
             raise ValueError(f"threads: {threads!r} must be None or an integer >= 1")
         backend = resolve_backend(backend, device)
         if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -173,8 +169,7 @@ class LLM:
         self.proposer = make_proposer(proposer, num_drafts, cfg.has_mtp)
         if dtype is None:  # CUDA: the stored dtype (bf16 for hub checkpoints); CPU: fp32, see README
             dtype = stored_dtype(path) if device.type == "cuda" else torch.float32
-        if max_seq_len is not None and (isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int)
-                                        or max_seq_len < 2):
+        if max_seq_len is not None and not is_int(max_seq_len, 2):
             raise ValueError(f"max_seq_len: {max_seq_len!r} must be an integer >= 2")
         budget = int(0.9 * available_bytes(device)) if memory_budget is None else memory_budget
         if max_seq_len is None:  # the largest that fits; only an explicit request is refused
@@ -208,7 +203,7 @@ class LLM:
             raise ValueError(f"params: expected SamplingParams, got {type(params).__name__}")
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        elif isinstance(prompt, (list, tuple)) and all(map(is_int, prompt)):
             ids = list(prompt)
             if any(not 0 <= t < self.model.cfg.vocab_size for t in ids):
                 raise ValueError(f"prompt: token ids must lie in [0, {self.model.cfg.vocab_size})")

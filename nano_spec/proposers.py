@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from nano_spec.config import is_int
 from nano_spec.grammar import DraftMasks
 
 
@@ -126,7 +127,7 @@ def make_proposer(proposer, num_drafts, has_mtp: bool):
     num_drafts: γ, or "auto" (γ_max = AUTO_MAX_DRAFTS; the planner picks γ per step)."""
     if not isinstance(proposer, str):
         n = getattr(proposer, "num_drafts", None)
-        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= 16:
+        if not is_int(n, 0, 16):
             raise ValueError(f"proposer: {type(proposer).__name__} needs an integer num_drafts in [0, 16], got {n!r}")
         if n and not all(callable(getattr(proposer, m, None)) for m in ("first", "next")):
             raise ValueError(f"proposer: {type(proposer).__name__} needs methods first() and next()")
@@ -135,7 +136,7 @@ def make_proposer(proposer, num_drafts, has_mtp: bool):
         raise ValueError(f"proposer: {proposer!r} is not one of auto, mtp, ngram, none")
     if num_drafts == "auto":
         num_drafts = AUTO_MAX_DRAFTS
-    if isinstance(num_drafts, bool) or not isinstance(num_drafts, int) or not 0 <= num_drafts <= 16:
+    if not is_int(num_drafts, 0, 16):
         raise ValueError(f"num_drafts: {num_drafts!r} must be 'auto' or an integer in [0, 16]")
     if proposer == "none" or num_drafts == 0:
         return NoProposer()

@@ -11,6 +11,7 @@ import torch
 
 from kernels.verdict_greedy import unpack_bitmask
 from kernels.verdict_sample import sampling_probs_ref
+from nano_spec.config import is_int
 
 
 @dataclass(frozen=True)
@@ -32,21 +33,19 @@ class SamplingParams:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731 (True is no number)
-        is_int = lambda v: num(v) and isinstance(v, int)  # noqa: E731
         t, ids = self.temperature, self.stop_token_ids
         rules = (  # field, valid, what it must be
-            ("max_new_tokens", is_int(self.max_new_tokens) and self.max_new_tokens >= 1, "an integer >= 1"),
+            ("max_new_tokens", is_int(self.max_new_tokens, 1), "an integer >= 1"),
             ("temperature", num(t) and math.isfinite(t) and t >= 0, "a finite number >= 0"),
-            ("top_k", is_int(self.top_k) and self.top_k >= 0, "an integer >= 0"),
+            ("top_k", is_int(self.top_k), "an integer >= 0"),
             ("top_p", num(self.top_p) and 0 < self.top_p <= 1, "a number in (0, 1]"),
-            ("seed", self.seed is None or is_int(self.seed) and 0 <= self.seed < 2**64,
-             "None or an integer in [0, 2**64)"),
+            ("seed", self.seed is None or is_int(self.seed, 0, 2**64 - 1), "None or an integer in [0, 2**64)"),
             ("stop", isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) and s for s in self.stop),
              "a string or a list of non-empty strings"),
-            ("stop_token_ids", isinstance(ids, (list, tuple)) and all(is_int(i) and i >= 0 for i in ids),
+            ("stop_token_ids", isinstance(ids, (list, tuple)) and all(map(is_int, ids)),
              "a list of token ids >= 0"),
             ("ignore_eos", isinstance(self.ignore_eos, bool), "True or False"),
-            ("logprobs", is_int(self.logprobs) and 0 <= self.logprobs <= 20, "an integer in [0, 20]"),
+            ("logprobs", is_int(self.logprobs, 0, 20), "an integer in [0, 20]"),
             ("json_schema", self.json_schema is None or isinstance(self.json_schema, (dict, str)),
              "None, a dict or a JSON string"),
             ("regex", self.regex is None or isinstance(self.regex, str), "None or a string"),
@@ -141,9 +140,7 @@ def verdict(ops, logits, drafts, num_drafts, sampling: BatchSampling, draft_prob
 
 
 def token_logprobs(logits, tokens, top_n: int):
-    """Log-probabilities under the target (log_softmax of the logits): logits (B, K, V), tokens (B, K) ->
-    (logprob (B, K), top values (B, K, n), top ids (B, K, n))."""
+    """Log-probabilities under the target (log_softmax of the logits): logits (B, K, V), tokens (B, K),
+    top_n >= 1 -> (logprob (B, K), top values (B, K, n), top ids (B, K, n))."""
     lp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = lp.gather(-1, tokens[..., None])[..., 0]
-    top = lp.topk(top_n, dim=-1) if top_n > 0 else (lp[..., :0], tokens[..., None][..., :0])
-    return chosen, top[0], top[1]
+    return (lp.gather(-1, tokens[..., None])[..., 0], *lp.topk(top_n, dim=-1))
