@@ -7,7 +7,7 @@ a row; ids past the tokenizer's vocabulary (padding rows of the embedding) are n
 
 The engine advances a matcher by exactly the emitted tokens. Drafting and the verify
 need masks of states after drafts that may be rejected: they push the drafts, read the
-masks and roll back (`masks_after`, `DraftMasks`), so the matcher is never left ahead.
+masks and roll back (`DraftMasks`), so the matcher is never left ahead.
 """
 import json
 import time
@@ -30,20 +30,6 @@ class Constraint:
         buf = torch.empty(self.W, dtype=torch.int32)
         self.m.unsafe_compute_mask_ptr(buf.data_ptr(), 4 * self.W)  # llguidance checks the size
         return buf
-
-    def masks_after(self, drafts: list) -> torch.Tensor:
-        """(len(drafts) + 1, W): row j is the mask after drafts[:j]. A draft the grammar refuses ends the
-        walk; the rows after it allow everything (the refused draft cannot be accepted, so they are unused)."""
-        out = torch.full((len(drafts) + 1, self.W), -1, dtype=torch.int32)
-        n = 0
-        out[0] = self.mask()
-        for j, d in enumerate(drafts):
-            if not self.push(d):  # not reached for drafts picked under the mask
-                break
-            n += 1
-            out[j + 1] = self.mask()
-        self.rollback(n)
-        return out
 
     def push(self, token: int) -> bool:
         """Advance speculatively; a refused token leaves the state as it was (no error state)."""
@@ -71,13 +57,14 @@ class Constraint:
 
 
 class DraftMasks:
-    """Masks for drafting R rows one token at a time: row r is masked by its constraint's state after the
-    drafts pushed so far; rows without a constraint get all ones. `close()` rolls every matcher back.
-    `num` is the drafts each row may keep (a row whose matcher refuses a draft stops there)."""
+    """Masks of R rows after drafts pushed one position at a time: row r is masked by its constraint's state
+    after the drafts pushed so far; rows without a constraint get all ones. `close()` rolls every matcher back.
+    `num` is the drafts each row may push: `num` if given (the real drafts of a verify), else γ, cut where a
+    row's matcher refuses a draft (that draft cannot be accepted, so what its row allows later is unused)."""
 
-    def __init__(self, constraints: list, gamma: int, device):
+    def __init__(self, constraints: list, gamma: int, device, num: list | None = None):
         self.cons, self.device = constraints, device
-        self.num = [gamma] * len(constraints)
+        self.num = list(num) if num is not None else [gamma] * len(constraints)
         self.pushed = [0] * len(constraints)
         self.on = any(c is not None for c in constraints)
 
@@ -111,15 +98,19 @@ class DraftMasks:
 
 
 def verify_bitmask(constraints: list, drafts: torch.Tensor, num_drafts: torch.Tensor) -> torch.Tensor:
-    """(B, K, W) int32 on the drafts' device: row j of a constrained sequence is the mask after its drafts[:j];
-    rows past its real drafts, and every row of a free sequence, allow everything. drafts (B, γ), num (B,)."""
-    (B, gamma), W = drafts.shape, next(c for c in constraints if c is not None).W
-    out = torch.full((B, gamma + 1, W), -1, dtype=torch.int32)
-    rows = [b for b, c in enumerate(constraints) if c is not None]
-    idx = torch.tensor(rows, device=drafts.device)
-    for b, ds, nd in zip(rows, drafts[idx].tolist(), num_drafts[idx].tolist()):  # one copy to the host
-        out[b, : nd + 1] = constraints[b].masks_after(ds[:nd])
-    return out.to(drafts.device)
+    """(B, K, W) int32 on the drafts' device: row j of a constrained sequence is the mask after its drafts[:j]
+    (rows past its real drafts are never read); every row of a free sequence allows everything.
+    drafts (B, γ), num_drafts (B,)."""
+    host = torch.cat([num_drafts[:, None], drafts], 1).cpu()  # one copy to the host
+    masks = DraftMasks(constraints, drafts.shape[1], "cpu", host[:, 0].tolist())
+    try:
+        rows = [masks.mask()]
+        for j in range(drafts.shape[1]):
+            masks.push(host[:, 1 + j], j)
+            rows.append(masks.mask())
+    finally:
+        masks.close()
+    return torch.stack(rows, 1).to(drafts.device)
 
 
 class Grammars:
