@@ -175,17 +175,12 @@ class ModelRunner:
         finite = (torch.isfinite(logits).all(-1) | unused).all(-1)  # (B,)
         packed = torch.cat([na[:, None], num_drafts[:, None], finite[:, None].long(), emitted, drafts], 1).tolist()
         top_n = max(s.params.logprobs for s in seqs)
-        lps = None
-        if top_n:
-            chosen, top_v, top_i = token_logprobs(logits, emitted, top_n)
-            lps = (chosen.tolist(), top_v.tolist(), top_i.tolist())
+        if top_n:  # chosen (B, K), top values and ids (B, K, n) as host lists
+            chosen, top_v, top_i = (t.tolist() for t in token_logprobs(logits, emitted, top_n))
         K, out = emitted.shape[1], []
         for b, (row, s) in enumerate(zip(packed, seqs)):
-            n, nd, ok = row[:3]
-            lp = None
-            if s.params.logprobs:
-                k = s.params.logprobs
-                lp = [(lps[0][b][j], dict(zip(lps[2][b][j][:k], lps[1][b][j][:k]))) for j in range(n + 1)]
+            n, nd, ok, k = *row[:3], s.params.logprobs
+            lp = [(chosen[b][j], dict(zip(top_i[b][j][:k], top_v[b][j][:k]))) for j in range(n + 1)] if k else None
             out.append(RowResult(na=n, drafts=row[3 + K : 3 + K + nd], tokens=row[3 : 4 + n], logprobs=lp,
                                  ok=bool(ok)))
         return out
@@ -232,15 +227,13 @@ class ModelRunner:
         if not self.gamma:  # plain decoding; with γ = 0 of γ_max > 0 the MTP still catches up
             return True
         u = None if adm.sampling.all_greedy else self._uniforms([seq], gamma)  # draw "drafts"
-
-        def propose(rows):
+        try:
             self._store([seq], self.proposer.first(self.model, self.cache, seq, adm.hidden, adm.first, adm.sampling,
                                                    u, gamma))
-
-        ok = self._isolated(propose, [True])[0][0]
-        if not ok:
+            return True
+        except Exception:
             self._store([seq], None)
-        return ok
+            return False
 
     @torch.no_grad()
     def propose(self, seqs, step: Step, verdict: Verdict, active: list, gamma: int) -> list:
