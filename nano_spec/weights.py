@@ -81,12 +81,6 @@ def tensor_index(path) -> dict:
     return index
 
 
-def read_tensors(path) -> dict:
-    """All tensors of a checkpoint directory, by name, as stored (for tools and tests; load_model streams)."""
-    return {name: _use(shard, lambda f: f.get_tensor(name))
-            for name, (shard, _, _) in tensor_index(path).items()}
-
-
 def stored_dtype(path) -> torch.dtype:
     """The dtype most of the stored parameters are in (counted by elements), e.g. bf16 for a hub checkpoint."""
     count = {}

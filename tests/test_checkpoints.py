@@ -4,7 +4,7 @@ import pickle
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from helpers import assert_unchanged, tiny_config, tiny_model
 from nano_spec.config import ConfigError, ModelConfig
@@ -47,9 +47,12 @@ def test_sharded_bf16_checkpoint(ckpt, tmp_path):
         assert torch.equal(ref(ids), loaded(ids))
 
 
-def rewrite(path, drop=(), add=None, reshape=None):
-    from nano_spec.weights import read_tensors
+def read_tensors(path) -> dict:
+    """Every tensor of an unsharded checkpoint (model.safetensors, and mtp.safetensors if there)."""
+    return {n: t for f in sorted(path.glob("*.safetensors")) for n, t in load_file(str(f)).items()}
 
+
+def rewrite(path, drop=(), add=None, reshape=None):
     t = read_tensors(path)
     for n in drop:
         t.pop(n)
@@ -151,8 +154,6 @@ def test_config_not_json(tmp_path):
 
 def split_head(path):
     """Move the mtp.* tensors of a checkpoint into mtp.safetensors, as scripts/train_mtp.py stores a head."""
-    from nano_spec.weights import read_tensors
-
     t = read_tensors(path)
     save_file({n: v for n, v in t.items() if not n.startswith("mtp.")}, str(path / "model.safetensors"))
     save_file({n: v for n, v in t.items() if n.startswith("mtp.")}, str(path / "mtp.safetensors"))
