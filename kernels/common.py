@@ -1,14 +1,11 @@
-"""Pieces shared by several kernels: the triton import (or its stand-in); the launchers'
-input checks, block sizes and split counts; softplus, the RMS normalisation, RoPE/conv/head
-parameter loads and the online-softmax update (Triton, for the kernels); RoPE, the Mamba2
-time step, the conv and one SSM step (torch, for the references). Shapes use the glossary
-of docs/DESIGN.md §1: T tokens, H Mamba heads, Dh head dim.
+"""Pieces shared by several kernels: the launchers' input checks, block sizes and split counts; the Mamba2 time
+step and channels, the RMS normalisation, RoPE/conv/head parameter loads and the online-softmax update (Triton,
+for the kernels); RoPE, the Mamba2 time step, the conv and one SSM step (torch, for the references). Shapes use
+the glossary of docs/DESIGN.md §1: T tokens, H Mamba heads, Dh head dim.
 
-Triton is optional: kernel files take `triton` and `tl` from here, the real modules
-or, without triton (macOS, Windows), a stand-in under which the references run.
+Triton is optional: kernel files take `triton` and `tl` from here, the real modules or, without triton
+(macOS, Windows), a stand-in under which the references run.
 """
-import functools
-
 import torch
 import torch.nn.functional as F
 
@@ -42,15 +39,12 @@ except ImportError:
     triton = tl = _NoTriton()
 
 
-def check(kernel: str, cond: bool, msg: str):
-    """A launcher's input check: one ValueError naming the kernel, instead of a Triton error deep inside."""
-    if not cond:
-        raise ValueError(f"{kernel}: {msg}")
-
-
 def checker(kernel: str):
-    """`check` with the kernel's name bound: a launcher file's `_check`, which the helpers take."""
-    return functools.partial(check, kernel)
+    """`_check(cond, msg)` of a launcher file: one ValueError naming the kernel, not a Triton error deep inside."""
+    def check(cond: bool, msg: str):
+        if not cond:
+            raise ValueError(f"{kernel}: {msg}")
+    return check
 
 
 def check_placed(chk, device, **tensors):
@@ -92,8 +86,7 @@ def check_mamba_params(chk, device, C, H, G, conv_w, conv_b, dt_bias, A_log, D) 
     chk(conv_b is None or conv_b.shape == (C,), "conv_bias must be (C,) or None")
     for name, t in (("dt_bias", dt_bias), ("A_log", A_log), ("D", D)):
         chk(t.shape == (H,), f"{name} must be (H={H},), got {tuple(t.shape)}")
-    check_placed(chk, device, conv_weight=conv_w, conv_bias=conv_b,
-                 dt_bias=dt_bias, A_log=A_log, D=D)
+    check_placed(chk, device, conv_weight=conv_w, conv_bias=conv_b, dt_bias=dt_bias, A_log=A_log, D=D)
     return W
 
 
@@ -121,16 +114,14 @@ def split_chunks(n: int, block: int, rows: int, device, splits: int | None = Non
     """Cut a length n read by `rows` rows into (chunk, splits): chunks of whole blocks; by default
     enough to fill the device (about two programs per SM), each at least 4 blocks long."""
     if not splits:
-        cuda = device.type == "cuda"
-        n_sm = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 2
+        n_sm = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
         splits = max(1, min(triton.cdiv(2 * n_sm, rows), triton.cdiv(n, 4 * block)))
     chunk = triton.cdiv(triton.cdiv(n, splits), block) * block
     return chunk, triton.cdiv(n, chunk)
 
 
 def dot_precision(dtype: torch.dtype) -> str:
-    """tl.dot's input_precision for operands of this dtype."""
-    # fp32 inputs must not be rounded to tf32 (the tests compare to an fp32 reference at 1e-4)
+    """tl.dot's input_precision: fp32 must not be rounded to tf32 (the tests compare to an fp32 reference at 1e-4)."""
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
@@ -142,13 +133,20 @@ def rms_normalize(b_xf, n, eps, ty):
 
 
 @triton.jit
-def softplus(x):
-    # torch's softplus: x above the threshold 20, else log1p(exp(x)); log1p written
-    # the accurate way (u * log(w) / (w - 1)) because log(1 + u) loses tiny u.
+def mamba_dt(x, dt_lo, dt_hi):
+    # clamp(softplus(x), dt_lo, dt_hi) of x = dt + dt_bias, softplus as torch's: x above 20, else log1p(exp(x)),
+    # log1p written the accurate way (u * log(w) / (w - 1)) because log(1 + u) loses tiny u.
     u = tl.exp(tl.minimum(x, 20.0))
     w = 1.0 + u
     lp = tl.where(w == 1.0, u, tl.log(w) * u / (w - 1.0))
-    return tl.where(x > 20.0, x, lp)
+    return tl.minimum(tl.maximum(tl.where(x > 20.0, x, lp), dt_lo), dt_hi)
+
+
+@triton.jit
+def mamba_channels(i_h, o_p, o_n, H: tl.constexpr, P: tl.constexpr, N: tl.constexpr, G: tl.constexpr):
+    """xBC channels (x, B, C) of head i_h's dims o_p and of its group's state dims o_n, split_xbc's layout."""
+    i_g = i_h // (H // G)
+    return i_h * P + o_p, H * P + i_g * N + o_n, H * P + G * N + i_g * N + o_n
 
 
 @triton.jit

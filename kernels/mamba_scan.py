@@ -22,11 +22,9 @@ the latter recomputed by every head block of the group):
 """
 import torch
 
-from kernels.common import (check_mamba_params, checker, conv_silu_ref, load_conv_taps,
-                            load_head_params, mamba_dt_ref, softplus, split_xbc, ssm_step_ref,
-                            tl, triton)
+from kernels.common import (check_mamba_params, checker, conv_silu_ref, load_conv_taps, load_head_params,
+                            mamba_channels, mamba_dt, mamba_dt_ref, pow2, split_xbc, ssm_step_ref, tl, triton)
 
-INF = float("inf")
 CHUNK = 32  # Q: tokens per chunk of the SSD form (tl.dot wants >= 16; 64 spills on sm_90 with N = 128)
 
 _check = checker("mamba_scan")
@@ -67,14 +65,11 @@ def _mamba_scan_recurrent_kernel(
     HAS_BIAS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
     i_h, i_p = tl.program_id(0), tl.program_id(1)
-    i_g = i_h // (H // G)
     o_p = i_p * BLOCK_P + tl.arange(0, BLOCK_P)
     o_n = tl.arange(0, BLOCK_N)
     o_w = tl.arange(0, BLOCK_W)  # conv taps, BLOCK_W >= W here
     m_p, m_n = o_p < P, o_n < N
-    o_cx = i_h * P + o_p  # conv channels: x of head h, B and C of group g
-    o_cb = H * P + i_g * N + o_n
-    o_cc = H * P + G * N + i_g * N + o_n
+    o_cx, o_cb, o_cc = mamba_channels(i_h, o_p, o_n, H, P, N, G)  # conv channels: x of head h, B and C of group g
     # window tiles (channels, taps): token t reads inputs t-(W-1)+w; pointers and weights hoisted
     m_xw = m_p[:, None] & (o_w < W)[None, :]
     m_nw = m_n[:, None] & (o_w < W)[None, :]
@@ -95,8 +90,7 @@ def _mamba_scan_recurrent_kernel(
         b_x = b_x / (1.0 + tl.exp(-b_x))  # SiLU
         b_B = b_B / (1.0 + tl.exp(-b_B))
         b_C = b_C / (1.0 + tl.exp(-b_C))
-        b_dt = softplus(tl.load(p_dt + t * stride_dt + i_h).to(tl.float32) + b_dt_bias)
-        b_dt = tl.minimum(tl.maximum(b_dt, dt_lo), dt_hi)
+        b_dt = mamba_dt(tl.load(p_dt + t * stride_dt + i_h).to(tl.float32) + b_dt_bias, dt_lo, dt_hi)
         b_s = tl.exp(b_dt * b_A) * b_s + (b_dt * b_x)[:, None] * b_B[None, :]
         b_y = tl.sum(b_s * b_C[None, :], axis=1) + b_D * b_x
         tl.store(p_yt + t * (H * P), b_y.to(p_y.dtype.element_ty), mask=m_p)
@@ -118,14 +112,11 @@ def _mamba_scan_chunked_kernel(
     Q: tl.constexpr,
 ):
     i_h, i_p = tl.program_id(0), tl.program_id(1)
-    i_g = i_h // (H // G)
     o_p = i_p * BLOCK_P + tl.arange(0, BLOCK_P)
     o_n = tl.arange(0, BLOCK_N)
     o_q = tl.arange(0, Q)
     m_p, m_n = o_p < P, o_n < N
-    o_cx = i_h * P + o_p
-    o_cb = H * P + i_g * N + o_n
-    o_cc = H * P + G * N + i_g * N + o_n
+    o_cx, o_cb, o_cc = mamba_channels(i_h, o_p, o_n, H, P, N, G)
     b_A, b_D, b_dt_bias = load_head_params(p_A_log, p_D, p_dt_bias, i_h)
     m_causal = o_q[:, None] >= o_q[None, :]  # (Q, Q): token t sees s <= t
     b_s = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)  # (BLOCK_P, N) state entering the chunk
@@ -136,8 +127,8 @@ def _mamba_scan_chunked_kernel(
         b_x = _conv_silu_tokens(p_xbc, p_conv_w, p_conv_b, stride_t, o_t, m_t, o_cx, m_p, W, HAS_BIAS)  # (Q, BLOCK_P)
         b_B = _conv_silu_tokens(p_xbc, p_conv_w, p_conv_b, stride_t, o_t, m_t, o_cb, m_n, W, HAS_BIAS)  # (Q, BLOCK_N)
         b_C = _conv_silu_tokens(p_xbc, p_conv_w, p_conv_b, stride_t, o_t, m_t, o_cc, m_n, W, HAS_BIAS)  # (Q, BLOCK_N)
-        b_dt = softplus(tl.load(p_dt + o_t * stride_dt + i_h, mask=m_t, other=0.0).to(tl.float32) + b_dt_bias)
-        b_dt = tl.where(m_t, tl.minimum(tl.maximum(b_dt, dt_lo), dt_hi), 0.0)  # (Q,): padding tokens: dt = 0
+        b_dt = tl.load(p_dt + o_t * stride_dt + i_h, mask=m_t, other=0.0).to(tl.float32) + b_dt_bias
+        b_dt = tl.where(m_t, mamba_dt(b_dt, dt_lo, dt_hi), 0.0)  # (Q,): padding tokens: dt = 0
         b_a = b_dt * b_A  # (Q,) log decays; 0 on padding, so the chunk total is exact
         b_acum = tl.cumsum(b_a, axis=0)  # (Q,)
         b_alast = tl.sum(b_a, axis=0)
@@ -148,8 +139,7 @@ def _mamba_scan_chunked_kernel(
 
         # intra-chunk: M[t, s] = (C_t . B_s) exp(Acum_t - Acum_s) dt_s for s <= t
         b_cb = tl.dot(b_C, tl.trans(b_B), input_precision="ieee")  # (Q, Q)
-        b_seg = tl.exp(tl.where(m_causal, b_segsum, -float("inf")))
-        b_m = b_cb * b_seg * b_dt[None, :]
+        b_m = b_cb * tl.exp(tl.where(m_causal, b_segsum, -float("inf"))) * b_dt[None, :]
         b_y = tl.dot(b_m, b_x, input_precision="ieee")  # (Q, BLOCK_P)
         # from the state passed in: exp(Acum_t) (C_t S_prev^T)
         b_y += tl.exp(b_acum)[:, None] * tl.dot(b_C, tl.trans(b_s), input_precision="ieee")
@@ -169,7 +159,7 @@ def _mamba_scan_chunked_kernel(
 
 
 def mamba_scan(xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, n_groups: int, head_dim: int,
-               dt_limit=(0.0, INF), method: str = "auto"):
+               dt_limit=(0.0, float("inf")), method: str = "auto"):
     """Triton version of mamba_scan_ref, plus `method`: "recurrent", "chunked" (SSD, chunks of CHUNK
     tokens) or "auto" (chunked on CUDA when T >= 2*CHUNK). xBC and dt may be row-strided views."""
     _check(method in ("auto", "recurrent", "chunked"), f"unknown method {method!r}")
@@ -191,7 +181,7 @@ def mamba_scan(xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, n_groups: int
     # 16 head dims per program: more programs for few heads; tl.dot needs blocks >= 16
     BLOCK_P = 16 if method == "chunked" else min(triton.next_power_of_2(P), 16)
     common = dict(H=H, P=P, N=N, G=G, W=W, HAS_BIAS=conv_bias is not None, BLOCK_P=BLOCK_P,
-                  BLOCK_N=max(16, triton.next_power_of_2(N)), BLOCK_W=triton.next_power_of_2(W))
+                  BLOCK_N=pow2(N), BLOCK_W=triton.next_power_of_2(W))
     args = (xBC, dt, conv_weight, conv_bias if conv_bias is not None else conv_weight, dt_bias, A_log, D,
             y, state, window, T, float(dt_limit[0]), float(dt_limit[1]), xBC.stride(0), dt.stride(0))
     grid = (H, triton.cdiv(P, BLOCK_P))
@@ -203,7 +193,7 @@ def mamba_scan(xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, n_groups: int
 
 
 def mamba_scan_ref(xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, n_groups: int, head_dim: int,
-                   dt_limit=(0.0, INF)):
+                   dt_limit=(0.0, float("inf"))):
     """xBC (T, C) conv inputs, dt (T, H) raw time steps; conv_weight (C, W), conv_bias (C,) or None,
     dt_bias, A_log, D (H,) -> (y (T, H, P) with the D skip, in xBC's dtype; final ssm_state
     (H, P, N) fp32; final conv window (C, W-1): the last W-1 conv inputs, zeros where T < W-1)."""

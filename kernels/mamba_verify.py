@@ -10,27 +10,21 @@ K = 1 is the plain decode step.
 
 The Triton version is two launches:
 
-  _mamba_verify_kernel, grid (B, H, cdiv(P, BLOCK_P)): one program owns the
-    (BLOCK_P, N) tile of one head's state. It reads that tile once, keeps it in
-    registers for the K rows, and computes its own conv channels on the fly:
-    the BLOCK_P x channels of its head and the N + N B/C channels of its group
-    (B/C are shared by the H/G heads of a group, so every head block recomputes
-    them; that is a few hundred FLOPs per row, cheaper than another launch).
-    It writes y, the K stash rows, the live state tile, and conv_stash for the
-    channels it owns (x channels by their head block, B/C channels by the first
-    head block of the group), so every conv_stash channel is written once.
-  _conv_window_kernel, grid (B, cdiv(C, BLOCK_C)): conv_state[s] = conv_stash[b, :, K:].
-    conv_state is updated in place and the B/C channels of a group are read by
-    every head block of that group; no program of the first launch could know
-    that all the others have read the old window, so the update comes after it.
+  _mamba_verify_kernel, grid (B, H, cdiv(P, BLOCK_P)): one program owns the (BLOCK_P, N) tile of one head's
+    state. It reads that tile once, keeps it in registers for the K rows, and computes its own conv channels
+    on the fly: the BLOCK_P x channels of its head and the N + N B/C channels of its group (B/C are shared by
+    the H/G heads of a group, so every head block recomputes them; that is a few hundred FLOPs per row,
+    cheaper than another launch). It writes y, the K stash rows, the live state tile, and conv_stash for the
+    channels it owns (x channels by their head block, B/C channels by the first head block of the group), so
+    every conv_stash channel is written once.
+  _conv_window_kernel, grid (B, cdiv(C, BLOCK_C)): conv_state[s] = conv_stash[b, :, K:]. conv_state is updated
+    in place and the B/C channels of a group are read by every head block of that group; no program of the
+    first launch could know that all the others have read the old window, so the update comes after it.
 """
 import torch
 
-from kernels.common import (check_mamba_params, check_placed, checker, conv_silu_ref,
-                            load_conv_taps, load_head_params, mamba_dt_ref, softplus, split_xbc,
-                            tl, triton)
-
-INF = float("inf")
+from kernels.common import (check_mamba_params, check_placed, checker, conv_silu_ref, load_conv_taps,
+                            load_head_params, mamba_channels, mamba_dt, mamba_dt_ref, split_xbc, tl, triton)
 
 _check = checker("mamba_verify")
 
@@ -79,18 +73,15 @@ def _mamba_verify_kernel(
     BLOCK_W: tl.constexpr, BLOCK_L: tl.constexpr,
 ):
     i_b, i_h, i_p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_g = i_h // (H // G)
     Wm1: tl.constexpr = W - 1
     i_s = tl.load(p_slot + i_b).to(tl.int64)
 
     o_p = i_p * BLOCK_P + tl.arange(0, BLOCK_P)
     o_n = tl.arange(0, BLOCK_N)
     o_w = tl.arange(0, BLOCK_W)
-    m_p, m_n, m_w = o_p < P, o_n < N, o_w < W
-    # conv channels of this program: x of head i_h (rows o_p), B and C of group i_g
-    o_cx = i_h * P + o_p
-    o_cb = H * P + i_g * N + o_n
-    o_cc = H * P + G * N + i_g * N + o_n
+    m_p, m_n = o_p < P, o_n < N
+    # conv channels of this program: x of head i_h (rows o_p), B and C of its group
+    o_cx, o_cb, o_cc = mamba_channels(i_h, o_p, o_n, H, P, N, G)
 
     # conv weights (channels, W) and biases, loaded once for the K rows
     b_wx, b_bx = load_conv_taps(p_conv_w, p_conv_b, o_cx, m_p, o_w, W, HAS_BIAS)
@@ -110,8 +101,7 @@ def _mamba_verify_kernel(
         b_x = _conv_silu_row(p_cs, p_xb, j, stride_xk, o_cx, m_p, b_wx, b_bx, Wm1, BLOCK_W)
         b_B = _conv_silu_row(p_cs, p_xb, j, stride_xk, o_cb, m_n, b_wb, b_bb, Wm1, BLOCK_W)
         b_C = _conv_silu_row(p_cs, p_xb, j, stride_xk, o_cc, m_n, b_wc, b_bc, Wm1, BLOCK_W)
-        b_dt = softplus(tl.load(p_dt + i_b * stride_db + j * stride_dk + i_h).to(tl.float32) + b_dt_bias)
-        b_dt = tl.minimum(tl.maximum(b_dt, dt_lo), dt_hi)
+        b_dt = mamba_dt(tl.load(p_dt + i_b * stride_db + j * stride_dk + i_h).to(tl.float32) + b_dt_bias, dt_lo, dt_hi)
         # S = exp(dt A) S + (dt x) B^T ;  y = S C + D x   (same operation order as ssm_step_ref)
         b_s = tl.exp(b_dt * b_A) * b_s + (b_dt * b_x)[:, None] * b_B[None, :]
         b_yj = tl.sum(b_s * b_C[None, :], axis=1) + b_D * b_x
@@ -143,7 +133,7 @@ def _conv_window_kernel(p_conv_stash, p_conv_state, p_slot, K, C,
 
 
 def mamba_verify(xBC, dt, conv_state, ssm_state, slot_ids, conv_weight, conv_bias, dt_bias, A_log, D,
-                 ssm_stash, conv_stash, n_groups: int, dt_limit=(0.0, INF)):
+                 ssm_stash, conv_stash, n_groups: int, dt_limit=(0.0, float("inf"))):
     """Triton version of mamba_verify_ref (same arguments and writes). xBC and dt may be strided
     views with a unit last-dim stride; slot_ids must be distinct (not checked: no host sync)."""
     _check(xBC.dim() == 3 and ssm_state.dim() == 4,
@@ -159,8 +149,7 @@ def mamba_verify(xBC, dt, conv_state, ssm_state, slot_ids, conv_weight, conv_bia
                            ("conv_stash", conv_stash, (Bsz, C, W - 1 + K))):
         _check(t.shape == shape, f"{name} must be {shape}, got {tuple(t.shape)}")
     _check(xBC.is_floating_point() and dt.is_floating_point(), "xBC and dt must be float tensors")
-    _check(not slot_ids.is_floating_point() and slot_ids.dtype != torch.bool,
-           "slot_ids must be an integer tensor")
+    _check(not slot_ids.is_floating_point() and slot_ids.dtype != torch.bool, "slot_ids must be an integer tensor")
     _check(ssm_state.dtype == ssm_stash.dtype == torch.float32, "ssm_state, ssm_stash must be fp32")
     _check(conv_stash.dtype == conv_state.dtype, "conv_stash must have conv_state's dtype")
     _check(xBC.stride(-1) == dt.stride(-1) == 1, "xBC and dt need unit stride on the last dim")
@@ -172,26 +161,23 @@ def mamba_verify(xBC, dt, conv_state, ssm_state, slot_ids, conv_weight, conv_bia
     if Bsz == 0 or K == 0:
         return y
     BLOCK_P = min(triton.next_power_of_2(P), 16)
-    BLOCK_N = triton.next_power_of_2(N)
     grid = (Bsz, H, triton.cdiv(P, BLOCK_P))
     _mamba_verify_kernel[grid](
         xBC, dt, conv_state, ssm_state, slot_ids, conv_weight, conv_bias if conv_bias is not None else conv_weight,
         dt_bias, A_log, D, ssm_stash, conv_stash, y,
         K, C, float(dt_limit[0]), float(dt_limit[1]),
         xBC.stride(0), xBC.stride(1), dt.stride(0), dt.stride(1),
-        H=H, P=P, N=N, G=G, W=W, HAS_BIAS=conv_bias is not None, BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N,
-        BLOCK_W=triton.next_power_of_2(W), BLOCK_L=triton.next_power_of_2(W - 1 + K),
-        num_warps=4,
+        H=H, P=P, N=N, G=G, W=W, HAS_BIAS=conv_bias is not None, BLOCK_P=BLOCK_P, BLOCK_N=triton.next_power_of_2(N),
+        BLOCK_W=triton.next_power_of_2(W), BLOCK_L=triton.next_power_of_2(W - 1 + K), num_warps=4,
     )
     BLOCK_C = 256
-    _conv_window_kernel[(Bsz, triton.cdiv(C, BLOCK_C))](
-        conv_stash, conv_state, slot_ids, K, C, Wm1=W - 1, BLOCK_C=BLOCK_C, BLOCK_W=triton.next_power_of_2(W - 1),
-    )
+    _conv_window_kernel[(Bsz, triton.cdiv(C, BLOCK_C))](conv_stash, conv_state, slot_ids, K, C, Wm1=W - 1,
+                                                        BLOCK_C=BLOCK_C, BLOCK_W=triton.next_power_of_2(W - 1))
     return y
 
 
 def mamba_verify_ref(xBC, dt, conv_state, ssm_state, slot_ids, conv_weight, conv_bias, dt_bias, A_log, D,
-                     ssm_stash, conv_stash, n_groups: int, dt_limit=(0.0, INF)):
+                     ssm_stash, conv_stash, n_groups: int, dt_limit=(0.0, float("inf"))):
     """xBC (B, K, C), dt (B, K, H); conv_state (S, C, W-1) and ssm_state (S, H, P, N) fp32 of one layer,
     updated in place at slot_ids (B,); ssm_stash (B, K, H, P, N) fp32 and conv_stash (B, C, W-1+K) written.
     Returns y (B, K, H, P) in xBC's dtype."""
