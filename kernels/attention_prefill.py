@@ -80,8 +80,7 @@ def _prefill_attention_kernel(
         b_k = tl.load(p_k_head + o_kn[:, None] * s_kc_t + o_d[None, :], mask=m_kv, other=0.0)  # (BLOCK_N, DH_PAD)
         b_v = tl.load(p_v_head + o_kn[:, None] * s_vc_t + o_d[None, :], mask=m_kv, other=0.0)
         b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC) * scale  # (BLOCK_M, BLOCK_N)
-        m_s = (o_kn[None, :] <= o_m[:, None]) & m_kn[None, :]
-        b_s = tl.where(m_s, b_s, float("-inf"))
+        b_s = tl.where((o_kn[None, :] <= o_m[:, None]) & m_kn[None, :], b_s, float("-inf"))  # causal
         b_m, b_l, b_acc = online_softmax_step(b_s, b_v, b_m, b_l, b_acc, DOT_PREC)
 
     b_o = b_acc / b_l[:, None]

@@ -1,23 +1,21 @@
 """Attention for B sequences x K query rows, each sequence at its own length.
 
-Row j of sequence b sits at position seq_lens[b] + j. The K new K/V rows are appended to the
-slot's cache (RoPE-rotated when enabled), then row j attends to cache positions
-0 .. seq_lens[b] + j. K = 1 is plain decode. The kernel splits the keys of row (b, j) in two:
+Row j of sequence b sits at position seq_lens[b] + j. The K new K/V rows are appended to the slot's cache
+(RoPE-rotated when enabled), then row j attends to cache positions 0 .. seq_lens[b] + j. K = 1 is plain
+decode. The kernel splits the keys of row (b, j) in two:
 
     old keys  n < seq_lens[b]          read from the cache, visible to every row of the step
     new keys  seq_lens[b] + j', j' <= j  the K rows of this step, rotated in registers
 
-One program owns (sequence b, KV head h) and stacks the REP = Hq/Hkv query heads
-of that KV head times the K rows into one (REP*K, Dh) query tile, so each cache
-block is loaded once for all of them (decode is bandwidth bound: the cache read
-is the cost). The same program writes the new K/V rows to the cache and uses them
-from registers, so no program ever reads a row another one is writing.
+One program owns (sequence b, KV head h) and stacks the REP = Hq/Hkv query heads of that KV head times the K
+rows into one (REP*K, Dh) query tile, so each cache block is loaded once for all of them (decode is bandwidth
+bound: the cache read is the cost). The same program writes the new K/V rows to the cache and uses them from
+registers, so no program ever reads a row another one is writing.
 
-For long caches and few (b, h) pairs the old keys are split across SPLITS programs
-(flash decoding); each writes its partial (m, l, acc) of the online softmax and
-`_combine_kernel` merges them: o = sum_s e^(m_s - m) acc_s / sum_s e^(m_s - m) l_s.
-The number of splits depends only on shapes (L, B, Hkv), never on seq_lens values,
-so there is no host sync; programs past a sequence's length do no work.
+For long caches and few (b, h) pairs the old keys are split across SPLITS programs (flash decoding); each
+writes its partial (m, l, acc) of the online softmax and `_combine_kernel` merges them:
+o = sum_s e^(m_s - m) acc_s / sum_s e^(m_s - m) l_s. The number of splits depends only on shapes (L, B, Hkv),
+never on seq_lens values, so there is no host sync; programs past a sequence's length do no work.
 """
 import torch
 
@@ -46,9 +44,8 @@ def _verify_attention_kernel(
 
     # query tile rows r = g * K + j: query head i_hkv * REP + g, step row j
     o_r = tl.arange(0, BLOCK_M)
-    o_g, o_jq = o_r // K, o_r % K
+    o_hq, o_jq = i_hkv * REP + o_r // K, o_r % K
     m_r = o_r < REP * K
-    o_hq = i_hkv * REP + o_g
     o_d = tl.arange(0, DH_PAD)
     m_d = o_d < DH
     o_q = i_b * s_q_b + o_jq * s_q_k + o_hq * s_q_h
@@ -182,14 +179,13 @@ def attention_verify_ref(q, k, v, k_cache, v_cache, slot_ids, seq_lens, scale: f
     """q (B, K, Hq, Dh), k, v (B, K, Hkv, Dh); k_cache, v_cache (S, L, Hkv, Dh) of one layer;
     slot_ids, seq_lens (B,). Writes cache rows seq_lens[b] .. +K-1; returns o (B, K, Hq, Dh).
     Only the first L cache rows are read, so a caller may pass a view cut to max(seq_lens) + K."""
-    Bsz, K, Hq, Dh = q.shape
-    Hkv, L = k.shape[2], k_cache.shape[1]
+    K, L = q.shape[1], k_cache.shape[1]
+    rep = q.shape[2] // k.shape[2]  # query heads per KV head
     pos = seq_lens[:, None] + torch.arange(K, device=q.device)  # (B, K)
     q = apply_rope_ref(q, pos, rope_theta)
     k = apply_rope_ref(k, pos, rope_theta)
     k_cache[slot_ids[:, None], pos] = k
     v_cache[slot_ids[:, None], pos] = v
-    rep = Hq // Hkv
     kf = k_cache[slot_ids].float().repeat_interleave(rep, dim=2)  # (B, L, Hq, Dh)
     vf = v_cache[slot_ids].float().repeat_interleave(rep, dim=2)
     s = torch.einsum("bqhd,bkhd->bhqk", q.float(), kf) * scale  # (B, Hq, K, L)
