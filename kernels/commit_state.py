@@ -8,10 +8,9 @@ that accepted na < K-1 drafts needs the one after row na instead:
 
 Full accepts (na = K-1) and inactive rows are left untouched.
 
-The Triton version is one launch, grid (L*B, tiles): program (l*B + b, t) copies
-tile t of the flat H*P*N state and tile t of the flat C*(W-1) window of layer l,
-sequence b. na and active are read on the device and fold into the masks, so a
-row that does not commit moves no bytes and the host never waits on the verdict.
+The Triton version is one launch, grid (L*B, tiles): program (l*B + b, t) copies tile t of the flat H*P*N
+state and tile t of the flat C*(W-1) window of layer l, sequence b. na and active are read on the device and
+fold into the masks, so a row that does not commit moves no bytes and the host never waits on the verdict.
 """
 import torch
 

@@ -13,7 +13,6 @@ _check = checker("gather_rows")
 
 @triton.jit
 def _gather_rows_kernel(p_src, p_idx, p_out, D, s_src_b, s_src_k, s_out_b, BLOCK_D: tl.constexpr):
-    """grid (B, cdiv(D, BLOCK_D))."""
     i_b, i_d = tl.program_id(0), tl.program_id(1)
     i_k = tl.load(p_idx + i_b).to(tl.int64)
     o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -34,9 +33,8 @@ def gather_rows(src, idx):
     if Bsz == 0 or D == 0:
         return out
     BLOCK_D = min(1024, triton.next_power_of_2(D))
-    _gather_rows_kernel[(Bsz, triton.cdiv(D, BLOCK_D))](
-        src, idx, out, D, src.stride(0), src.stride(1), out.stride(0), BLOCK_D=BLOCK_D,
-    )
+    _gather_rows_kernel[(Bsz, triton.cdiv(D, BLOCK_D))](src, idx, out, D, src.stride(0), src.stride(1), out.stride(0),
+                                                        BLOCK_D=BLOCK_D)
     return out
 
 

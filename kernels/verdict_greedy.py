@@ -1,17 +1,15 @@
 """Greedy verdict in one pass over the logits.
 
-For logits (B, K, V): picks[b, j] = argmax (the first maximal index on ties) and
-na[b] = the number of leading drafts equal to the pick of their row, clamped to
-num_drafts[b] (the valid drafts; the rest of the (B, K-1) drafts are padding).
-An optional grammar bitmask (B, K, W = ceil(V / 32)) int32 restricts row (b, j) to the
-tokens whose bit is set (bit t % 32 of word t // 32, llguidance's packing): the others
-count as -inf inside the pass, and the logits are never written.
+For logits (B, K, V): picks[b, j] = argmax (the first maximal index on ties) and na[b] = the number of leading
+drafts equal to the pick of their row, clamped to num_drafts[b] (the valid drafts; the rest of the (B, K-1)
+drafts are padding). An optional grammar bitmask (B, K, W = ceil(V / 32)) int32 restricts row (b, j) to the
+tokens whose bit is set (bit t % 32 of word t // 32, llguidance's packing): the others count as -inf inside
+the pass, and the logits are never written.
 
-One read of the logits: `_row_stats_kernel` walks one of the SPLITS chunks of a row keeping a
-running max and its first index; `_verdict_kernel` (one program per sequence) merges the
-partials of its K rows and counts the leading drafts that match. Ties keep the first index in
-both. Splitting V gives even one sequence enough programs for the device when V is 100k+;
-the split count depends on shapes only.
+One read of the logits: `_row_stats_kernel` walks one of the SPLITS chunks of a row keeping a running max and
+its first index; `_verdict_kernel` (one program per sequence) merges the partials of its K rows and counts the
+leading drafts that match. Ties keep the first index in both. Splitting V gives even one sequence enough
+programs for the device when V is 100k+; the split count depends on shapes only.
 """
 import torch
 
@@ -97,8 +95,7 @@ def _verdict_greedy(logits, drafts, num_drafts, bitmask=None, block_v=None, num_
     pa = torch.empty((Bsz * K, splits), dtype=torch.int32, device=dev)  # their first indices
     m = logits if bitmask is None else bitmask  # never read without a mask
     _row_stats_kernel[(Bsz * K, splits)](
-        logits, m, pm, pa, V, chunk, logits.stride(0), logits.stride(1),
-        m.stride(0) if bitmask is not None else 0, m.stride(1) if bitmask is not None else 0,
+        logits, m, pm, pa, V, chunk, *logits.stride()[:2], *m.stride()[:2],
         K=K, SPLITS=splits, BLOCK_V=BLOCK_V, HAS_MASK=bitmask is not None,
     )
     d = drafts if K > 1 else picks  # never read when K = 1

@@ -17,15 +17,13 @@ draft side uses, so p is bit-identical to the reference's). `_verdict_sample_ker
   2. the total of the chosen weights w (r or p_na) as a running prefix sum;
   3. the inverse-CDF draw: token = #{v : cdf[v] <= u[K-1] * cdf[V-1]}, counted block by block.
 
-Exactness. The acceptance tests read the same fp32 values as the reference and do the
-same single multiply, so na is bit-exact; "residual sum > 0" does not depend on summation
-order (all terms are >= 0). Only the cumulative sums are rounded differently (torch's
-sequential scan vs per-block tree scans here), by a few ulp of the total, so the token can
-differ only when u * total falls within that distance of one of the V cdf values: a
-probability ~1e-6 per draw for fp32, i.e. never for fixed test uniforms away from the cdf
-steps. The total is the last element of the kernel's own scan (not a separate sum), so
-the search and the threshold are consistent and a draw never runs past the last token
-with mass except where the reference would too.
+Exactness. The acceptance tests read the same fp32 values as the reference and do the same single multiply, so
+na is bit-exact; "residual sum > 0" does not depend on summation order (all terms are >= 0). Only the
+cumulative sums are rounded differently (torch's sequential scan vs per-block tree scans here), by a few ulp
+of the total, so the token can differ only when u * total falls within that distance of one of the V cdf
+values: a probability ~1e-6 per draw for fp32, i.e. never for fixed test uniforms away from the cdf steps. The
+total is the last element of the kernel's own scan (not a separate sum), so the search and the threshold are
+consistent and a draw never runs past the last token with mass except where the reference would too.
 """
 import torch
 
@@ -80,9 +78,7 @@ def _verdict_sample_kernel(
         for start in range(0, V, BLOCK_V):
             o_x = start + o_v
             m_x = m_b[:, None] & (o_x < V)[None, :]
-            b_t = tl.load(p_p + o_t[:, None] + o_x[None, :], mask=m_x, other=0.0)  # (BLOCK_B, BLOCK_V)
-            b_qv = tl.load(p_q + o_q[:, None] + o_x[None, :], mask=m_x, other=0.0).to(tl.float32)
-            b_rsum += tl.sum(tl.maximum(b_t - b_qv, 0.0), 1)
+            b_rsum += tl.sum(_chosen_weights(p_p, p_q, o_t, o_q, o_x, m_x, m_b, K), 1)  # every row's residual
         # p == q exactly makes a rejection impossible; fall back to p if rounding produced one
         b_resid = b_resid & (b_rsum > 0.0)
 
@@ -125,7 +121,6 @@ def _verdict_sample(logits, draft_probs, drafts, num_drafts, uniforms, temperatu
     token = torch.empty((Bsz,), dtype=torch.int64, device=dev)
     if Bsz == 0:
         return na, token
-    # the sort behind top-k / top-p stays in torch (see the module docstring)
     p = sampling_probs_ref(logits, temperature, top_k, top_p).contiguous()  # (B, K, V) fp32
     q = draft_probs if K > 1 else p
     d = drafts if K > 1 else na
