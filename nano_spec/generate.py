@@ -34,8 +34,7 @@ def parse_args(argv):
     p.add_argument("--seed", type=int)
     p.add_argument("--backend", choices=["auto", "torch", "triton"], default="auto")
     p.add_argument("--device", default="auto")
-    p.add_argument("--dtype",
-                   help="float32, bfloat16 or float16 (default: the stored dtype on CUDA, float32 on CPU)")
+    p.add_argument("--dtype", help="float32, bfloat16 or float16 (default: the stored dtype on CUDA, float32 on CPU)")
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--threads", type=int, help="torch threads (default: 1 for small work on a CPU, see README)")
     p.add_argument("--max-seq-len", type=int)
@@ -51,46 +50,31 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
-def read_constraint(args) -> dict:
-    """The structured-output fields of SamplingParams from --json-schema / --regex / --grammar."""
-    out = {"regex": args.regex} if args.regex is not None else {}
-    for flag, field in (("--json-schema", "json_schema"), ("--grammar", "grammar")):
-        path = getattr(args, field)
-        if path is None:
-            continue
-        try:
-            with open(path, encoding="utf-8") as f:
-                out[field] = f.read()
-        except OSError as e:
-            raise ValueError(f"{flag}: cannot read {path} ({e.strerror})") from None
-        except UnicodeDecodeError:
-            raise ValueError(f"{flag}: {path} is not UTF-8 text") from None
-        if field == "json_schema":
-            try:
-                out[field] = json.loads(out[field])
-            except json.JSONDecodeError as e:
-                raise ValueError(f"--json-schema: {path} is not JSON ({e})") from None
-    return out
+def read_file(flag: str, path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise ValueError(f"{flag}: cannot read {path} ({e.strerror})") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{flag}: {path} is not UTF-8 text") from None
+
+
+def read_schema(path: str) -> dict:
+    try:
+        return json.loads(read_file("--json-schema", path))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--json-schema: {path} is not JSON ({e})") from None
 
 
 def read_prompts(args) -> list:
+    text = read_file("--prompts-file", args.prompts_file) if args.prompts_file else ""
     prompts = list(args.prompt or [])
-    if args.prompts_file:
+    for i, line in enumerate([line for line in text.split("\n") if line.strip()], 1):
         try:
-            with open(args.prompts_file, encoding="utf-8") as f:
-                lines = [line.rstrip("\n") for line in f if line.strip()]
-        except OSError as e:
-            raise ValueError(f"--prompts-file: cannot read {args.prompts_file} ({e.strerror})") from None
-        except UnicodeDecodeError:
-            raise ValueError(f"--prompts-file: {args.prompts_file} is not UTF-8 text") from None
-        for i, line in enumerate(lines, 1):
-            if line.lstrip().startswith("{"):
-                try:
-                    prompts.append(json.loads(line)["prompt"])
-                except (json.JSONDecodeError, KeyError, TypeError):
-                    raise ValueError(f"--prompts-file: line {i} is not JSON with a 'prompt' field") from None
-            else:
-                prompts.append(line)
+            prompts.append(json.loads(line)["prompt"] if line.lstrip().startswith("{") else line)
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise ValueError(f"--prompts-file: line {i} is not JSON with a 'prompt' field") from None
     return prompts or [DEFAULT_PROMPT]
 
 
@@ -120,9 +104,8 @@ def show_drafts(tok, out, colour: bool) -> str:
 
 
 def legend(colour: bool) -> str:
-    marks = [(f"{c}{name}{RESET}" if colour else f"{b[0]}{name}{b[1]}") + f" {what}" for name, (c, b, what) in
-             ORIGINS.items()]
-    return "legend: " + "   ".join(marks)
+    return "legend: " + "   ".join((f"{c}{name}{RESET}" if colour else f"{b[0]}{name}{b[1]}") + f" {what}"
+                                   for name, (c, b, what) in ORIGINS.items())
 
 
 def tracer(tok):
@@ -145,7 +128,9 @@ def main(argv=None) -> int:
     try:
         prompts = read_prompts(args)
         params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                                top_p=args.top_p, seed=args.seed, logprobs=args.logprobs, **read_constraint(args))
+                                top_p=args.top_p, seed=args.seed, logprobs=args.logprobs, regex=args.regex,
+                                json_schema=None if args.json_schema is None else read_schema(args.json_schema),
+                                grammar=None if args.grammar is None else read_file("--grammar", args.grammar))
         llm = LLM(args.model, backend=args.backend, device=args.device, dtype=args.dtype, max_batch=args.max_batch,
                   num_drafts=0 if args.no_spec else args.num_drafts, proposer="none" if args.no_spec else args.proposer,
                   max_seq_len=args.max_seq_len, threads=args.threads)
@@ -166,13 +151,11 @@ def main(argv=None) -> int:
                 print(legend(colour))
             for o in outs:
                 if args.json:
-                    print(json.dumps({"prompt": o.prompt, "text": o.text, "token_ids": o.token_ids,
-                                      "origins": o.origins, "finish_reason": o.finish_reason, "error": o.error,
-                                      "tau": o.tau, "logprobs": o.logprobs, "top_logprobs": o.top_logprobs}))
-                elif args.show_drafts:
-                    print(f"--- {o.finish_reason} ---\n{o.prompt}{show_drafts(llm.tokenizer, o, colour)}")
+                    print(json.dumps({k: getattr(o, k) for k in ("prompt", "text", "token_ids", "origins",
+                                      "finish_reason", "error", "tau", "logprobs", "top_logprobs")}))
                 else:
-                    print(f"--- {o.finish_reason} ---\n{o.prompt}{o.text}")
+                    text = show_drafts(llm.tokenizer, o, colour) if args.show_drafts else o.text
+                    print(f"--- {o.finish_reason} ---\n{o.prompt}{text}")
         elapsed = time.perf_counter() - t0
     except ValueError as e:  # every user error is a ValueError with a message naming the problem
         print(f"error: {e}", file=sys.stderr)
