@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from nano_spec.generate import read_schema
 from nano_spec.llm import LLM, shipped_weights
 from nano_spec.sampling import SamplingParams
 
@@ -48,8 +49,7 @@ def ratio(table, b, a, c):
 
 
 def worst(values):
-    values = [v for v in values if v is not None]
-    return min(values) if values else None
+    return min((v for v in values if v is not None), default=None)
 
 
 def best_fixed(rows):
@@ -78,15 +78,6 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
-def load_schema(path: str) -> dict:
-    try:
-        return json.loads(Path(path).read_text(encoding="utf-8"))
-    except OSError as e:
-        raise ValueError(f"--json-schema: cannot read {path} ({e.strerror})") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"--json-schema: {path} is not JSON ({e})") from None
-
-
 def load_prompts(args, model_dir: Path) -> list:
     path = Path(args.prompts_file) if args.prompts_file else model_dir / "eval_prompts.jsonl"
     if not path.is_file():
@@ -112,9 +103,8 @@ class Engine:
     def generate(self, ids, max_new_tokens):
         self.llm.telemetry.reset()  # the planner keeps learning across rounds, as in a server
         # under a schema a complete output finishes with "stop" even with ignore_eos
-        outs = self.llm.generate(ids, SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True,
-                                                     json_schema=self.schema))
-        return [o.token_ids for o in outs]
+        params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True, json_schema=self.schema)
+        return [o.token_ids for o in self.llm.generate(ids, params)]
 
     def stats(self):
         st = self.llm.stats
@@ -140,8 +130,7 @@ class Transformers:
         self.config.eos_token_id = None  # like ignore_eos: every request runs to max_new_tokens
         self.config.pad_token_id = 0
 
-    @torch.no_grad()
-    def generate(self, ids, max_new_tokens):
+    def generate(self, ids, max_new_tokens):  # transformers' generate runs without autograd
         outs = []
         for i in range(0, len(ids), self.batch):
             chunk = ids[i : i + self.batch]
@@ -157,39 +146,31 @@ class Transformers:
         return {"steps_s": None, "tau": None, "accept_at": None, "gamma_hist": None, "predicted_speedup": None}
 
 
-def _median(values):
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
-
-
 def measure(engines, ids, args) -> list:
     """Warm every engine up, then time them in turn, args.repeats rounds (the order rotates)."""
     for e in engines:
         e.generate(ids[:1], 4)
-    times = {e.name: [] for e in engines}
-    cpu = {e.name: [] for e in engines}
-    outputs, stats = {}, {}
+    wall, cpu, steps = ({e.name: [] for e in engines} for _ in range(3))  # seconds per round
+    outputs, stats = {}, {}  # of the last round, but steps_s is the median of steps_rounds
     for r in range(args.repeats):
         for e in engines[r % len(engines):] + engines[: r % len(engines)]:
             print(f"\r  round {r + 1}/{args.repeats} {e.name:<14}", end="", file=sys.stderr, flush=True)
             w0, c0 = time.perf_counter(), time.process_time()
             outputs[e.name] = e.generate(ids, args.max_new_tokens)
-            times[e.name].append(time.perf_counter() - w0)
+            wall[e.name].append(time.perf_counter() - w0)
             cpu[e.name].append(time.process_time() - c0)
-            steps_s = stats.get(e.name, {}).get("steps_rounds", [])
-            stats[e.name] = e.stats()  # of the last round, but the median of the step seconds
-            stats[e.name]["steps_rounds"] = steps_s + [stats[e.name]["steps_s"]]
+            stats[e.name] = e.stats()
+            steps[e.name].append(stats[e.name]["steps_s"])  # None from transformers
     print(file=sys.stderr)
     rows = []
     for e in engines:
-        wall = statistics.median(times[e.name])
-        tokens = sum(map(len, outputs[e.name]))
-        rows.append({"config": e.name, "proposer": e.proposer, "gamma": e.gamma, "batch": None,
-                     "threads": torch.get_num_threads(), "tokens": tokens, "wall_s": wall,
-                     "cpu_s": statistics.median(cpu[e.name]), "tokens_per_s": tokens / wall,
-                     "rounds_s": times[e.name], **stats[e.name],
-                     "steps_s": _median(stats[e.name]["steps_rounds"]),
-                     "outputs": outputs[e.name]})
+        name = e.name
+        tokens, median_wall = sum(map(len, outputs[name])), statistics.median(wall[name])
+        rows.append({"config": name, "proposer": e.proposer, "gamma": e.gamma, "batch": None,
+                     "threads": torch.get_num_threads(), "tokens": tokens, "wall_s": median_wall,
+                     "cpu_s": statistics.median(cpu[name]), "tokens_per_s": tokens / median_wall,
+                     "rounds_s": wall[name], **stats[name], "steps_rounds": steps[name], "outputs": outputs[name],
+                     "steps_s": None if None in steps[name] else statistics.median(steps[name])})
     return rows
 
 
@@ -198,7 +179,7 @@ def main(argv=None) -> int:
     try:
         model_dir = Path(args.model) if args.model else shipped_weights()
         prompts = load_prompts(args, model_dir)
-        schema = load_schema(args.json_schema) if args.json_schema else None
+        schema = read_schema(args.json_schema) if args.json_schema else None
         if any(g < 1 for g in args.gammas) or any(b < 1 for b in args.batch) or args.repeats < 1:
             raise ValueError("--gammas, --batch and --repeats take integers >= 1")
         table = {}
@@ -216,54 +197,47 @@ def main(argv=None) -> int:
     except (ValueError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    for b, rows in table.items():
-        for r in rows.values():
-            base = rows["plain +schema" if r["config"].endswith("+schema") else "plain"]
-            assert r["outputs"] == base["outputs"], f"greedy outputs differ: {r['config']} at batch {b}"
-            r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"]
-            r["step_speedup"] = base["steps_s"] / r["steps_s"] if r["steps_s"] else None
+    rows = [r for batch_rows in table.values() for r in batch_rows.values()]
+    for r in rows:
+        base = table[r["batch"]]["plain +schema" if r["config"].endswith("+schema") else "plain"]
+        assert r["outputs"] == base["outputs"], f"greedy outputs differ: {r['config']} at batch {r['batch']}"
+        r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"]
+        r["step_speedup"] = base["steps_s"] / r["steps_s"] if r["steps_s"] else None
     print(f"model {model_dir.name}, {len(prompts)} prompts x {args.max_new_tokens} new tokens, greedy, "
-          f"median of {args.repeats} interleaved rounds; "
-          "outputs identical to plain decoding: yes")
-    print(f"{'batch':>5} {'thr':>3} {'config':<13} {'tokens/s':>9} {'wall s':>7} {'CPU s':>7} {'tau':>6} "
-          f"{'speedup':>8}  notes")
-    for b, rows in table.items():
-        for r in rows.values():
-            tau = f"{r['tau']:.3f}" if r["tau"] else "-"
-            note = "" if r["config"] != "mtp γ=auto" else \
-                f"steps only {r['step_speedup']:.2f}x, predicted {r['predicted_speedup']:.2f}x; " \
-                f"steps by γ {r['gamma_hist']}"
-            if r["config"] == "transformers":
-                note = "no MTP in transformers; its prompt lookup refuses this stateful model"
-            if r["config"].endswith("+schema"):  # mask: the verify's grammar masks; masked drafting is in propose
-                note = f"vs plain +schema; mask {r['mask_ms_per_step']:.3f} ms/step, compile " \
-                       f"{r['grammar_compile_s'] * 1e3:.1f} ms" + (f"; {note}" if note else "")
-            print(f"{b:>5} {r['threads']:>3} {r['config']:<13} {r['tokens_per_s']:>9.1f} {r['wall_s']:>7.2f} "
-                  f"{r['cpu_s']:>7.2f} "
-                  f"{tau:>6} {r['speedup']:>7.2f}x  {note}")
+          f"median of {args.repeats} interleaved rounds; outputs identical to plain decoding: yes")
+    print("batch thr config         tokens/s  wall s   CPU s    tau  speedup  notes")
+    for r in rows:
+        tau = f"{r['tau']:.3f}" if r["tau"] else "-"
+        note = ""
+        if r["config"] == "mtp γ=auto":
+            note = f"steps only {r['step_speedup']:.2f}x, predicted {r['predicted_speedup']:.2f}x; " \
+                   f"steps by γ {r['gamma_hist']}"
+        if r["config"] == "transformers":
+            note = "no MTP in transformers; its prompt lookup refuses this stateful model"
+        if r["config"].endswith("+schema"):  # mask: the verify's grammar masks; masked drafting is in propose
+            note = f"vs plain +schema; mask {r['mask_ms_per_step']:.3f} ms/step, compile " \
+                   f"{r['grammar_compile_s'] * 1e3:.1f} ms"
+        print(f"{r['batch']:>5} {r['threads']:>3} {r['config']:<13} {r['tokens_per_s']:>9.1f} {r['wall_s']:>7.2f} "
+              f"{r['cpu_s']:>7.2f} {tau:>6} {r['speedup']:>7.2f}x  {note}")
     print("targets (ratios of tokens/s)")
     for name, goal, measure_ in TARGETS:
         value = measure_(table)
         shown = "not measured" if value is None else f"{value:.2f} ({'met' if value >= goal else 'not met'})"
         print(f"  {name:<48} goal >= {goal:.2f}  {shown}")
-    rows = [r for rows in table.values() for r in rows.values()]
     if args.plot:
         plot([r for r in rows if not r["config"].endswith("+schema")], args.plot)
     print(json.dumps({"model": model_dir.name, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-                      "identical": True,
-                      "rows": [{k: v for k, v in r.items() if k != "outputs"} for r in rows]}))
+                      "identical": True, "rows": [{k: v for k, v in r.items() if k != "outputs"} for r in rows]}))
     return 0
 
 
 def plot(rows, path):
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         print("--plot needs matplotlib: pip install 'nano-spec[plot]'", file=sys.stderr)
         return
+    plt.switch_backend("Agg")
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     batches = sorted({r["batch"] for r in rows})
     width = 0.8 / len(batches)
@@ -273,13 +247,11 @@ def plot(rows, path):
         ax1.plot([r["gamma"] for r in mtp], [r["tau"] or 1.0 for r in mtp], "o-", label=f"tau, batch {b}")
         ax1.plot([r["gamma"] for r in mtp], [r["speedup"] for r in mtp], "s--", label=f"speedup, batch {b}")
         top = mtp[-1]
-        ax2.bar([j + i * width for j in range(len(top["accept_at"]))], top["accept_at"], width=width,
-                label=f"batch {b}, γ={top['gamma']}")
-    ax1.set_xticks(sorted({r["gamma"] for r in mtp}))
-    ax2.set_xticks([j + (len(batches) - 1) * width / 2 for j in range(len(top["accept_at"]))],
-                   [str(j) for j in range(len(top["accept_at"]))])
-    ax1.set(xlabel="γ (drafts per step)")
-    ax2.set(xlabel="draft position j", ylabel="accept_at[j]")
+        positions = range(len(top["accept_at"]))
+        ax2.bar([j + i * width for j in positions], top["accept_at"], width, label=f"batch {b}, γ={top['gamma']}")
+    ax1.set(xticks=[r["gamma"] for r in mtp], xlabel="γ (drafts per step)")
+    ax2.set(xticks=[j + (len(batches) - 1) * width / 2 for j in positions], xticklabels=[str(j) for j in positions],
+            xlabel="draft position j", ylabel="accept_at[j]")
     ax1.legend()
     ax2.legend()
     fig.tight_layout()
