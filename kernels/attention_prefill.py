@@ -124,8 +124,7 @@ def attention_prefill_ref(q, k, v, k_cache, v_cache, slot: int, scale: float, ro
     T, rep = q.shape[0], q.shape[1] // k.shape[1]  # rep query heads per KV head
     pos = torch.arange(T, device=q.device)
     q = apply_rope_ref(q, pos, rope_theta)
-    k = apply_rope_ref(k, pos, rope_theta)
-    k_cache[slot, :T] = k
+    k_cache[slot, :T] = apply_rope_ref(k, pos, rope_theta)  # k is cached rotated
     v_cache[slot, :T] = v
     kf = k_cache[slot, :T].float().repeat_interleave(rep, dim=1)  # (T, Hq, Dh)
     vf = v_cache[slot, :T].float().repeat_interleave(rep, dim=1)

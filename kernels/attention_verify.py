@@ -183,8 +183,7 @@ def attention_verify_ref(q, k, v, k_cache, v_cache, slot_ids, seq_lens, scale: f
     rep = q.shape[2] // k.shape[2]  # query heads per KV head
     pos = seq_lens[:, None] + torch.arange(K, device=q.device)  # (B, K)
     q = apply_rope_ref(q, pos, rope_theta)
-    k = apply_rope_ref(k, pos, rope_theta)
-    k_cache[slot_ids[:, None], pos] = k
+    k_cache[slot_ids[:, None], pos] = apply_rope_ref(k, pos, rope_theta)  # k is cached rotated
     v_cache[slot_ids[:, None], pos] = v
     kf = k_cache[slot_ids].float().repeat_interleave(rep, dim=2)  # (B, L, Hq, Dh)
     vf = v_cache[slot_ids].float().repeat_interleave(rep, dim=2)
