@@ -27,8 +27,7 @@ def _commit_state_kernel(p_ssm_state, p_conv_state, p_ssm_stash, p_conv_stash, p
     i_l, i_b = i_lb // Bsz, i_lb % Bsz
     i_s = tl.load(p_slot + i_b).to(tl.int64)
     b_na = tl.load(p_na + i_b).to(tl.int32)
-    b_act = tl.load(p_active + i_b).to(tl.int32)
-    b_take = (b_act != 0) & (b_na < K - 1)
+    b_take = (tl.load(p_active + i_b) != 0) & (b_na < K - 1)
     b_na = tl.minimum(tl.maximum(b_na, 0), K - 1)  # the reference indexes with na clamped to [0, K-1]
     o = i_t * BLOCK + tl.arange(0, BLOCK)
     # take as a vector compare (the interpreter mis-types block mask & scalar bool)

@@ -14,8 +14,7 @@ _check = checker("gated_rmsnorm")
 
 
 @triton.jit
-def _gated_rmsnorm_kernel(p_y, p_z, p_w, p_out, d_in, group_size, eps, stride_y, stride_z,
-                          BLOCK: tl.constexpr):
+def _gated_rmsnorm_kernel(p_y, p_z, p_w, p_out, d_in, group_size, eps, stride_y, stride_z, BLOCK: tl.constexpr):
     i_m, i_g = tl.program_id(0).to(tl.int64), tl.program_id(1)
     o = i_g * group_size + tl.arange(0, BLOCK)  # channels of group g
     m = tl.arange(0, BLOCK) < group_size

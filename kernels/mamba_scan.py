@@ -3,9 +3,8 @@ from zero state. Per head h of group g, with a_t = dt_t A_h (a log decay, <= 0):
 
     S_t = exp(a_t) S_{t-1} + dt_t x_t B_t^T,    y_t = S_t C_t + D_h x_t        (recurrent form)
 
-Two Triton kernels compute it, both one program per (head, block of BLOCK_P head
-dims) computing its conv channels on the fly (x of its head, B and C of its group,
-the latter recomputed by every head block of the group):
+Two Triton kernels compute it, both one program per (head, block of BLOCK_P head dims) computing its conv
+channels on the fly (x of its head, B and C of its group, which every head block of the group recomputes):
 
   recurrent: a loop over the T tokens, the (BLOCK_P, N) state in registers.
   chunked (SSD): tokens in chunks of Q. With cumulative log decays
@@ -16,9 +15,9 @@ the latter recomputed by every head block of the group):
             + D x_t
       S_end = exp(Acum_last) S_prev + sum_s exp(Acum_last - Acum_s) dt_s x_s B_s^T      chunk state, tl.dot
 
-    The chunks of a head are walked in order inside the program (state passing in
-    registers), so one launch does intra-chunk outputs, chunk states, state passing
-    and the chunk output. Matmuls use fp32 ("ieee") precision to match the reference.
+    The chunks of a head are walked in order inside the program (state passing in registers), so one launch
+    does intra-chunk outputs, chunk states, state passing and the chunk output, with fp32 ("ieee") matmuls to
+    match the reference.
 """
 import torch
 
@@ -31,8 +30,7 @@ _check = checker("mamba_scan")
 
 
 @triton.jit
-def _conv_silu_tokens(p_xbc, p_conv_w, p_conv_b, stride_t, o_t, m_t, o_c, m_c,
-                      W: tl.constexpr, HAS_BIAS: tl.constexpr):
+def _conv_silu_tokens(p_xbc, p_conv_w, p_conv_b, stride_t, o_t, m_t, o_c, m_c, W: tl.constexpr, HAS_BIAS: tl.constexpr):
     """silu(causal conv) for tokens o_t (rows) and channels o_c (cols) -> (len(o_t), len(o_c)) fp32;
     inputs before token 0 are the zero padding of the prompt's fresh window."""
     b_acc = tl.zeros([o_t.shape[0], o_c.shape[0]], dtype=tl.float32)

@@ -49,8 +49,7 @@ def _conv_silu_row(p_conv_state, p_xbc_b, j, stride_xk, o_c, m_c, b_w, b_bias,
 
 
 @triton.jit
-def _store_window(p_conv_state, p_xbc_b, p_stash_b, K, stride_xk, o_c, m_c,
-                  Wm1: tl.constexpr, BLOCK_L: tl.constexpr):
+def _store_window(p_conv_state, p_xbc_b, p_stash_b, K, stride_xk, o_c, m_c, Wm1: tl.constexpr, BLOCK_L: tl.constexpr):
     """conv_stash[b, o_c, :] = [conv_state[s, o_c] | xBC[b, :, o_c]]   (channels, W-1+K)."""
     o_l = tl.arange(0, BLOCK_L)
     m_old = m_c[:, None] & (o_l < Wm1)[None, :]
@@ -80,8 +79,7 @@ def _mamba_verify_kernel(
     o_n = tl.arange(0, BLOCK_N)
     o_w = tl.arange(0, BLOCK_W)
     m_p, m_n = o_p < P, o_n < N
-    # conv channels of this program: x of head i_h (rows o_p), B and C of its group
-    o_cx, o_cb, o_cc = mamba_channels(i_h, o_p, o_n, H, P, N, G)
+    o_cx, o_cb, o_cc = mamba_channels(i_h, o_p, o_n, H, P, N, G)  # conv channels: x of head i_h, B and C of its group
 
     # conv weights (channels, W) and biases, loaded once for the K rows
     b_wx, b_bx = load_conv_taps(p_conv_w, p_conv_b, o_cx, m_p, o_w, W, HAS_BIAS)
@@ -112,8 +110,7 @@ def _mamba_verify_kernel(
     # conv_stash[b]: each channel written by exactly one program
     p_stash_b = p_conv_stash + i_b.to(tl.int64) * C * (Wm1 + K)
     _store_window(p_cs, p_xb, p_stash_b, K, stride_xk, o_cx, m_p, Wm1, BLOCK_L)
-    # B/C channels: only the first head block of the group (a vector compare, because the
-    # interpreter mis-types a block mask & a scalar bool)
+    # B/C channels: the group's first head block only (a vector compare: the interpreter mis-types mask & scalar bool)
     m_own = m_n & ((o_n * 0 + (i_h % (H // G)) + i_p) == 0)
     _store_window(p_cs, p_xb, p_stash_b, K, stride_xk, o_cb, m_own, Wm1, BLOCK_L)
     _store_window(p_cs, p_xb, p_stash_b, K, stride_xk, o_cc, m_own, Wm1, BLOCK_L)

@@ -3,9 +3,8 @@
     h = residual + multiplier * x      (or h = x without a residual)
     y = weight * h / sqrt(mean(h^2) + eps)      computed in fp32
 
-Returns (y, h): the decoder loop keeps h as the residual stream and feeds y to the next mixer
-or MLP, so one pass over the row does both. The Triton version runs one program per row of D
-elements and rounds as the reference's dtypes do.
+Returns (y, h): the decoder loop keeps h as the residual stream and feeds y to the next mixer or MLP, so one
+pass over the row does both. The Triton version runs one program per row, rounding as the reference's dtypes do.
 """
 import torch
 
