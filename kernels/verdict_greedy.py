@@ -94,15 +94,11 @@ def _verdict_greedy(logits, drafts, num_drafts, bitmask=None, block_v=None, num_
     pm = torch.empty((Bsz * K, splits), dtype=torch.float32, device=dev)  # partial maxima
     pa = torch.empty((Bsz * K, splits), dtype=torch.int32, device=dev)  # their first indices
     m = logits if bitmask is None else bitmask  # never read without a mask
-    _row_stats_kernel[(Bsz * K, splits)](
-        logits, m, pm, pa, V, chunk, *logits.stride()[:2], *m.stride()[:2],
-        K=K, SPLITS=splits, BLOCK_V=BLOCK_V, HAS_MASK=bitmask is not None,
-    )
+    _row_stats_kernel[(Bsz * K, splits)](logits, m, pm, pa, V, chunk, *logits.stride()[:2], *m.stride()[:2],
+                                         K=K, SPLITS=splits, BLOCK_V=BLOCK_V, HAS_MASK=bitmask is not None)
     d = drafts if K > 1 else picks  # never read when K = 1
-    _verdict_kernel[(Bsz,)](
-        pm, pa, d, num_drafts, picks, na, V, d.stride(0), d.stride(1) if K > 1 else 0,
-        K=K, SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
-    )
+    _verdict_kernel[(Bsz,)](pm, pa, d, num_drafts, picks, na, V, *d.stride(),
+                            K=K, SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits))
     return picks, na
 
 

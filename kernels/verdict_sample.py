@@ -122,8 +122,7 @@ def _verdict_sample(logits, draft_probs, drafts, num_drafts, uniforms, temperatu
     if Bsz == 0:
         return na, token
     p = sampling_probs_ref(logits, temperature, top_k, top_p).contiguous()  # (B, K, V) fp32
-    q = draft_probs if K > 1 else p
-    d = drafts if K > 1 else na
+    q, d = (draft_probs, drafts) if K > 1 else (p, na)  # K = 1: placeholders the kernel never reads
     BLOCK_V = block_v or min(2048 if logits.is_cuda else 1024, triton.next_power_of_2(V))
     # small vocabularies: several sequences per program, tiles of about 2k elements
     BLOCK_B = min(max(1, 2048 // BLOCK_V), triton.next_power_of_2(Bsz), 256)
@@ -152,13 +151,11 @@ def sampling_probs_ref(logits, temperature, top_k, top_p):
     lf = (lf - lf.amax(-1, keepdim=True)) / t
     V = lf.shape[-1]
     sorted_l, order = lf.sort(-1, descending=True)
-    rank = torch.arange(V, device=lf.device)
     k = torch.where(top_k > 0, top_k, V)[:, None, None]
-    keep = rank < k  # (B, R, V) in sorted order
+    keep = torch.arange(V, device=lf.device) < k  # (B, R, V) in sorted order
     sorted_l = sorted_l.masked_fill(~keep, float("-inf"))
     sp = sorted_l.softmax(-1)
-    mass_before = sp.cumsum(-1) - sp
-    keep = keep & (mass_before < top_p[:, None, None])
+    keep = keep & (sp.cumsum(-1) - sp < top_p[:, None, None])  # the mass before each token
     keep[..., 0] = True
     sp = sp.masked_fill(~keep, 0.0)
     sp = sp / sp.sum(-1, keepdim=True)
@@ -179,13 +176,12 @@ def verdict_sample_ref(logits, draft_probs, drafts, num_drafts, uniforms, temper
     else:
         na = torch.zeros(Bsz, dtype=torch.long, device=logits.device)
     target = p[rows, na]  # (B, V)
-    rejected = na < num_drafts
-    if K > 1:
+    if K > 1:  # after a rejection the token is drawn from the residual max(0, p - q)
         q_na = draft_probs.float()[rows, na.clamp(max=K - 2)]
         resid = (target - q_na).clamp(min=0)
         # p == q exactly makes a rejection impossible; fall back to p if rounding produced one
         resid = torch.where(resid.sum(-1, keepdim=True) > 0, resid, target)
-        target = torch.where(rejected[:, None], resid, target)
+        target = torch.where((na < num_drafts)[:, None], resid, target)
     cdf = target.cumsum(-1)
     thresh = uniforms[:, K - 1 : K] * cdf[:, -1:]
     token = (cdf <= thresh).sum(-1).clamp(max=V - 1)
