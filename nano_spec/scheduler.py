@@ -98,10 +98,9 @@ class Scheduler:
         if seq.finished:
             return
         seq.finish_reason = "cancelled"
-        if seq in self.waiting:
-            self.waiting.remove(seq)
-        if seq in self.running:
-            self.running.remove(seq)
+        for queue in (self.waiting, self.running):
+            if seq in queue:
+                queue.remove(seq)
         self._release(seq)
 
     def has_work(self) -> bool:
