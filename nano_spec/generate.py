@@ -6,6 +6,7 @@ nothing queued), 1 when a request failed inside the engine (its error on stderr,
 `error` field with --json). --show-drafts colours each token by its origin (docs/DESIGN.md §1).
 """
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -92,15 +93,12 @@ def show_drafts(tok, out, colour: bool) -> str:
     """The completion with each run of tokens of one origin coloured (or bracketed without colour)."""
     from nano_spec.tokenizer import IncrementalDecoder
 
-    parts, decoder = [], IncrementalDecoder(tok)  # a character split across tokens goes to the last
-    for piece, origin in zip(map(decoder.add, out.token_ids), out.origins):
-        if parts and parts[-1][0] == origin:
-            parts[-1][1] += piece
-        else:
-            parts.append([origin, piece])
+    decoder = IncrementalDecoder(tok)  # a character split across tokens goes to the last
+    pieces = zip(out.origins, map(decoder.add, out.token_ids))
+    runs = [(o, "".join(t for _, t in run)) for o, run in itertools.groupby(pieces, key=lambda pair: pair[0])]
     if colour:
-        return "".join(f"{ORIGINS[o][0]}{t}{RESET}" for o, t in parts)
-    return "".join(f"{ORIGINS[o][1][0]}{t}{ORIGINS[o][1][1]}" for o, t in parts)
+        return "".join(f"{ORIGINS[o][0]}{t}{RESET}" for o, t in runs)
+    return "".join(f"{ORIGINS[o][1][0]}{t}{ORIGINS[o][1][1]}" for o, t in runs)
 
 
 def legend(colour: bool) -> str:
@@ -139,8 +137,7 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         if len(prompts) == 1 and not (args.json or args.show_drafts):
             stream = llm.stream(prompts[0], params)  # validates the request before anything is printed
-            print(prompts[0], end="", flush=True)
-            for piece in stream:
+            for piece in itertools.chain([prompts[0]], stream):
                 print(piece, end="", flush=True)
             print()
             outs = [stream.output]
