@@ -99,7 +99,7 @@ class DraftMasks:
 
 def verify_bitmask(constraints: list, drafts: torch.Tensor, num_drafts: torch.Tensor) -> torch.Tensor:
     """(B, K, W) int32 on the drafts' device: row j of a constrained sequence is the mask after its drafts[:j]
-    (rows past its real drafts are never read); every row of a free sequence allows everything.
+    (rows past its real drafts repeat the last; their picks are never emitted); a free sequence's allow everything.
     drafts (B, γ), num_drafts (B,)."""
     host = torch.cat([num_drafts[:, None], drafts], 1).cpu()  # one copy to the host
     masks = DraftMasks(constraints, drafts.shape[1], "cpu", host[:, 0].tolist())
