@@ -48,7 +48,6 @@ import argparse
 import dataclasses
 import functools
 import json
-import math
 import os
 import shutil
 import sys

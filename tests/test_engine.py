@@ -179,7 +179,7 @@ def test_telemetry_with_a_fake_clock(ckpt):
     ticks = iter(range(0, 10**6, 2))  # every clock read advances 2 ms
     llm = LLM(ckpt, proposer="mtp", num_drafts=3, clock=lambda: next(ticks) * 1e-3)
     outs = llm.generate(PROMPTS[:2], SamplingParams(max_new_tokens=9, ignore_eos=True))
-    st, tel = llm.stats, llm.telemetry
+    st = llm.stats
     steps = sum(len(o.token_ids) - 1 for o in outs)  # tokens after the prefill's one
     assert st["emitted"] == steps
     assert st["tau"] == pytest.approx(1 + sum(st["accept_at"]), abs=1e-12)

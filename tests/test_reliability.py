@@ -6,7 +6,6 @@ import re
 from pathlib import Path
 
 import pytest
-import torch
 
 from helpers import tiny_checkpoint
 from nano_spec import LLM, SamplingParams
