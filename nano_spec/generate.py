@@ -137,7 +137,8 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         if len(prompts) == 1 and not (args.json or args.show_drafts):
             stream = llm.stream(prompts[0], params)  # validates the request before anything is printed
-            for piece in itertools.chain([prompts[0]], stream):
+            print(prompts[0], end="", flush=True)
+            for piece in stream:
                 print(piece, end="", flush=True)
             print()
             outs = [stream.output]
