@@ -24,30 +24,23 @@ from nano_spec.config import ModelConfig
 
 def cache_bytes(cfg: ModelConfig, num_slots: int, max_seq_len: int, max_batch: int, max_k: int,
                 dtype: torch.dtype) -> dict:
-    """Bytes of every buffer, computed before anything is allocated."""
-    e, f32 = torch.tensor([], dtype=dtype).element_size(), 4
-    La, Lm = len(cfg.attention_layers), len(cfg.mamba_layers)
-    H, P, N, C, W = cfg.mamba_n_heads, cfg.mamba_d_head, cfg.mamba_d_state, cfg.conv_dim, cfg.mamba_d_conv
-    kv_row = cfg.num_key_value_heads * cfg.head_dim
-    return {
-        "kv": 2 * La * num_slots * max_seq_len * kv_row * e,
-        "mtp_kv": 2 * num_slots * max_seq_len * kv_row * e if cfg.has_mtp else 0,
-        "conv_state": Lm * num_slots * C * (W - 1) * e,
-        "ssm_state": Lm * num_slots * H * P * N * f32,
-        "ssm_stash": Lm * max_batch * max_k * H * P * N * f32,
-        "conv_stash": Lm * max_batch * C * (W - 1 + max_k) * e,
-        "hidden_stash": max_batch * max_k * cfg.hidden_size * e,
-    }
+    """Bytes of every buffer, counted on the meta device before anything is allocated."""
+    c = HybridCache(cfg, num_slots, max_seq_len, max_k, "meta", dtype, max_batch)
+    parts = {"kv": (c.k, c.v), "mtp_kv": (c.mtp_k, c.mtp_v), "conv_state": (c.conv_state,),
+             "ssm_state": (c.ssm_state,), "ssm_stash": (c._ssm_stash,), "conv_stash": (c._conv_stash,),
+             "hidden_stash": (c._hidden_stash,)}
+    return {name: sum(t.numel() * t.element_size() for t in ts if t is not None) for name, ts in parts.items()}
 
 
 class HybridCache:
     def __init__(self, cfg: ModelConfig, num_slots: int, max_seq_len: int, max_k: int,
-                 device="cpu", dtype=torch.float32):
+                 device="cpu", dtype=torch.float32, max_batch: int | None = None):
         self.cfg, self.num_slots, self.max_seq_len, self.max_k = cfg, num_slots, max_seq_len, max_k
+        self.max_batch = num_slots if max_batch is None else max_batch  # a verify holds at most one row per slot
         La, Lm = len(cfg.attention_layers), len(cfg.mamba_layers)
         H, P, N, C, W = cfg.mamba_n_heads, cfg.mamba_d_head, cfg.mamba_d_state, cfg.conv_dim, cfg.mamba_d_conv
         Hkv, Dh = cfg.num_key_value_heads, cfg.head_dim
-        S = B = num_slots  # a verify batch holds at most one row per slot
+        S, B = num_slots, self.max_batch
         kw = dict(device=device, dtype=dtype)
         self.k = torch.zeros(La, S, max_seq_len, Hkv, Dh, **kw)
         self.v = torch.zeros_like(self.k)
@@ -75,7 +68,7 @@ class HybridCache:
         return self._view(self._hidden_stash, (B, K, self.cfg.hidden_size), B, K)
 
     def _view(self, flat, shape, B, K):
-        if not (1 <= K <= self.max_k and 1 <= B <= self.num_slots):
+        if not (1 <= K <= self.max_k and 1 <= B <= self.max_batch):
             raise ValueError(f"a verify of B={B} x K={K} exceeds the cache ({self.num_slots} slots, max_k={self.max_k})")
         return flat[: torch.Size(shape).numel()].view(shape)
 
