@@ -65,12 +65,11 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.num_attention_heads * Dh, D, bias=bias)
         self.Dh = Dh
         self.sizes = (self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features)
-        # [q | k | v] stacked for one GEMM per call; built by fuse_qkv() after loading, never saved
+        # [q | k | v] stacked for one GEMM per inference call by fuse_qkv(); never saved, training updates q/k/v_proj
         self.register_buffer("qkv_weight", None, persistent=False)
         self.register_buffer("qkv_bias", None, persistent=False)
 
     def fuse_qkv(self):
-        """Stack the q/k/v weights once, for inference (training updates the separate projections)."""
         self.qkv_weight = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]).detach()
         if self.q_proj.bias is not None:
             self.qkv_bias = torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]).detach()
@@ -183,10 +182,8 @@ class HybridLM(nn.Module):
 
     def _mamba_out(self, m: Mamba, y, z):
         """y (..., H, P) from the scan, z (..., d_in) -> out_proj(norm(y * silu(z)))."""
-        cfg = self.cfg
-        u = self.ops.gated_rmsnorm(y.reshape(z.shape), z, m.norm.weight, cfg.d_inner // cfg.mamba_n_groups,
-                                   cfg.rms_norm_eps)
-        return m.out_proj(u)
+        group = self.cfg.d_inner // self.cfg.mamba_n_groups  # channels per norm group, d_in / G
+        return m.out_proj(self.ops.gated_rmsnorm(y.reshape(z.shape), z, m.norm.weight, group, self.cfg.rms_norm_eps))
 
     def _scan(self, m: Mamba, xBC, dt):
         """One prompt from zero state: xBC (T, C), dt (T, H) -> (y (T, H, P), ssm (H, P, N), window (C, W-1))."""
@@ -316,12 +313,10 @@ class HybridLM(nn.Module):
         g = torch.Generator().manual_seed(seed) if seed is not None else None
         for name, p in self.named_parameters():
             leaf = name.rsplit(".", 1)[-1]
-            if name.endswith("norm.weight"):
+            if name.endswith("norm.weight") or leaf == "D":
                 p.fill_(1.0)
             elif leaf == "A_log":
                 p.copy_(torch.log(torch.empty(p.shape).uniform_(1, 16, generator=g)))
-            elif leaf == "D":
-                p.fill_(1.0)
             elif leaf == "dt_bias":  # dt ~ log-uniform(1e-3, 1e-1), stored as softplus^-1(dt)
                 dt = torch.exp(torch.empty(p.shape).uniform_(math.log(1e-3), math.log(1e-1), generator=g))
                 p.copy_(dt + torch.log(-torch.expm1(-dt)))
