@@ -157,7 +157,7 @@ class ModelConfig:
 
     def _validate(self):
         for name, cap in LIMITS.items():
-            v = self.num_hidden_layers if name == "num_hidden_layers" else getattr(self, name)
+            v = getattr(self, name)  # num_hidden_layers is the property len(layer_types)
             if not is_int(v, 0, cap):
                 raise ConfigError(f"{name}: {v!r} is not an integer in [0, {cap}]")
         for name in FLOATS:
