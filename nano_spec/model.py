@@ -187,9 +187,8 @@ class HybridLM(nn.Module):
 
     def _scan(self, m: Mamba, xBC, dt):
         """One prompt from zero state: xBC (T, C), dt (T, H) -> (y (T, H, P), ssm (H, P, N), window (C, W-1))."""
-        cfg = self.cfg
-        return self.ops.mamba_scan(xBC, dt, *m.scan_args(), cfg.mamba_n_groups, cfg.mamba_d_head,
-                                   cfg.time_step_limit)
+        return self.ops.mamba_scan(xBC, dt, *m.scan_args(), self.cfg.mamba_n_groups, self.cfg.mamba_d_head,
+                                   self.cfg.time_step_limit)
 
     def _attend(self, attn: Attention, y, k_cache, v_cache, slot, seq_lens=None):
         """Attention through a KV cache: one prompt y (T, D) into slot `slot` (seq_lens None), or
@@ -253,7 +252,6 @@ class HybridLM(nn.Module):
         Advances every Mamba layer's live state through all K rows and writes ssm_stash, conv_stash
         and hidden_stash (docs/DESIGN.md §3). kv_len, if given, bounds the KV rows read (>= max(seq_lens) + K).
         """
-        cfg = self.cfg
         B, K = ids.shape
         ssm_stash, conv_stash = cache.ssm_stash(B, K), cache.conv_stash(B, K)
         kv = slice(None, kv_len)
@@ -264,7 +262,7 @@ class HybridLM(nn.Module):
                 z, xBC, dt = layer.mamba.split(y)
                 ys = self.ops.mamba_verify(xBC, dt, cache.conv_state[m], cache.ssm_state[m], slot_ids,
                                            *layer.mamba.scan_args(), ssm_stash[m], conv_stash[m],
-                                           cfg.mamba_n_groups, cfg.time_step_limit)  # (B, K, H, P)
+                                           self.cfg.mamba_n_groups, self.cfg.time_step_limit)  # (B, K, H, P)
                 return self._mamba_out(layer.mamba, ys, z)
             a = cache.attn_index[i]
             return self._attend(layer.self_attn, y, cache.k[a, :, kv], cache.v[a, :, kv], slot_ids, seq_lens)
