@@ -12,7 +12,7 @@ One speculative step, as the scheduler drives it (docs/DESIGN.md §4), with γ d
     propose(seqs, step, verdict, active, γ')   the proposer drafts the next step's γ' rows
 A `Step` and a `Verdict` are complete when made and are passed along, never parked here.
 """
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -38,12 +38,9 @@ class Step:
 
     def select(self, idx) -> "Step":
         """The rows idx (a long tensor) of every per-row field."""
-        pick = {f.name: getattr(self, f.name) for f in fields(self)}
-        for name, value in pick.items():
-            if isinstance(value, torch.Tensor):
-                pick[name] = value[idx]
-        pick["sampling"] = self.sampling.select(idx)
-        return Step(**pick)
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        rows = {name: v[idx] for name, v in values.items() if isinstance(v, torch.Tensor)}
+        return replace(self, **rows, sampling=self.sampling.select(idx))
 
 
 @dataclass(frozen=True)
@@ -121,9 +118,8 @@ class ModelRunner:
     def prefill(self, seq) -> Admission:
         """Run a new sequence's prompt into its (reset) slot and pick its first token."""
         self.cache.reset_slot(seq.slot)
-        gen = torch.Generator(device=self.device)
-        gen.manual_seed(seq.params.seed if seq.params.seed is not None else int(torch.randint(2**62, ())))
-        self.generators[seq.slot] = gen
+        seed = seq.params.seed if seq.params.seed is not None else int(torch.randint(2**62, ()))
+        self.generators[seq.slot] = torch.Generator(device=self.device).manual_seed(seed)
         hidden = self.model.prefill(self._tensor(seq.tokens), seq.slot, self.cache)  # (T, D)
         logits = self.model.logits(hidden[-1:])  # (1, V)
         sampling = BatchSampling.of([seq.params], self.device)
@@ -190,20 +186,17 @@ class ModelRunner:
         """Run fn(rows) on all active rows at once; if that raises, retry each row alone so that a fault
         stays with the sequence it belongs to. Returns (per-row success, per-row error message or None)."""
         rows = [i for i, a in enumerate(active) if a]
-        errors = [None] * len(active)
+        ok, errors = list(active), [None] * len(active)
         try:
             if rows:
                 fn(rows)
-            return list(active), errors
         except Exception:
-            ok = [False] * len(active)
             for i in rows:
                 try:
                     fn([i])
-                    ok[i] = True
                 except Exception as e:
-                    errors[i] = f"{fn.__name__}: {type(e).__name__}: {e}"
-            return ok, errors
+                    ok[i], errors[i] = False, f"{fn.__name__}: {type(e).__name__}: {e}"
+        return ok, errors
 
     @torch.no_grad()
     def commit(self, step: Step, verdict: Verdict, active: list) -> tuple:
