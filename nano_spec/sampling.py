@@ -79,8 +79,7 @@ class BatchSampling:
     def of(cls, params: list, device) -> "BatchSampling":
         greedy = [p.greedy for p in params]
         return cls(greedy=torch.tensor(greedy, device=device),
-                   temperature=torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)],
-                                            device=device),
+                   temperature=torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=device),
                    top_k=torch.tensor([p.top_k for p in params], device=device),
                    top_p=torch.tensor([float(p.top_p) for p in params], device=device),
                    all_greedy=all(greedy))
@@ -95,10 +94,6 @@ class BatchSampling:
         for name in ("greedy", "temperature", "top_k", "top_p"):
             getattr(self, name)[row] = getattr(one, name)[0]
 
-    def probs(self, logits):
-        """logits (B, R, V) -> the filtered distribution (B, R, V) the rows sample from."""
-        return sampling_probs_ref(logits, self.temperature, self.top_k, self.top_p)
-
     def pick(self, logits, uniforms, bitmask=None):
         """One token per row from logits (B, V): argmax on greedy rows, an inverse-CDF draw with
         uniforms (B,) on sampled rows; only among the tokens a grammar bitmask (B, W) allows, if given.
@@ -107,7 +102,7 @@ class BatchSampling:
         greedy_tok = logits.float().argmax(-1)
         if self.all_greedy:
             return greedy_tok, None
-        probs = self.probs(logits[:, None])[:, 0]
+        probs = sampling_probs_ref(logits[:, None], self.temperature, self.top_k, self.top_p)[:, 0]  # (B, V) filtered
         cdf = probs.cumsum(-1)
         drawn = (cdf <= uniforms[:, None] * cdf[:, -1:]).sum(-1).clamp(max=logits.shape[-1] - 1)
         return torch.where(self.greedy, greedy_tok, drawn), probs
@@ -125,18 +120,16 @@ def verdict(ops, logits, drafts, num_drafts, sampling: BatchSampling, draft_prob
     logits (B, K, V), drafts (B, K-1), num_drafts (B,), bitmask (B, K, W) or None -> (na (B,), emitted (B, K))
     where emitted[b, j] is the token emitted at row j for j <= na[b] (accepted drafts, then the target's pick).
     """
-    K = logits.shape[1]
     picks, na = ops.verdict_greedy(logits, drafts, num_drafts, bitmask)  # the mask is applied in the pass
-    emitted = picks
-    if not sampling.all_greedy:  # the target p is the masked one; the drafts' q were masked alike
-        na_s, tok_s = ops.verdict_sample(masked(logits, bitmask), draft_probs, drafts, num_drafts, uniforms,
-                                         sampling.temperature, sampling.top_k, sampling.top_p)
-        j = torch.arange(K, device=logits.device)
-        padded = torch.cat([drafts, drafts.new_zeros(drafts.shape[0], 1)], dim=1)  # (B, K)
-        sampled = torch.where(j < na_s[:, None], padded, tok_s[:, None])
-        na = torch.where(sampling.greedy, na, na_s)
-        emitted = torch.where(sampling.greedy[:, None], picks, sampled)
-    return na, emitted
+    if sampling.all_greedy:
+        return na, picks
+    # the target p is the masked one; the drafts' q were masked alike
+    na_s, tok_s = ops.verdict_sample(masked(logits, bitmask), draft_probs, drafts, num_drafts, uniforms,
+                                     sampling.temperature, sampling.top_k, sampling.top_p)
+    j = torch.arange(logits.shape[1], device=logits.device)
+    padded = torch.cat([drafts, drafts.new_zeros(drafts.shape[0], 1)], dim=1)  # (B, K)
+    sampled = torch.where(j < na_s[:, None], padded, tok_s[:, None])
+    return torch.where(sampling.greedy, na, na_s), torch.where(sampling.greedy[:, None], picks, sampled)
 
 
 def token_logprobs(logits, tokens, top_n: int):
