@@ -22,15 +22,13 @@ HIST_EDGES_MS = (0.1, 0.3, 1, 3, 10, 30, 100, 300, 1000)  # upper edges; one ove
 
 def bucket_label(seq_len: int) -> str:
     lo = max(b for b in SEQ_LEN_BUCKETS if b <= seq_len)
-    i = SEQ_LEN_BUCKETS.index(lo)
-    hi = SEQ_LEN_BUCKETS[i + 1] if i + 1 < len(SEQ_LEN_BUCKETS) else None
+    hi = next((b for b in SEQ_LEN_BUCKETS if b > seq_len), None)
     return f"{lo}-{hi}" if hi else f"{lo}+"
 
 
 class Telemetry:
     def __init__(self, num_drafts: int, clock=time.perf_counter):
-        self.clock = clock
-        self.num_drafts = num_drafts
+        self.clock, self.num_drafts = clock, num_drafts
         self.reset()
 
     def reset(self):
@@ -65,23 +63,19 @@ class Telemetry:
 
     def record_verify(self, na: int, emitted: int, seq_len: int, constrained: bool = False):
         """One sequence's verdict: na accepted drafts, of which `emitted` tokens were emitted."""
-        if constrained:
-            self.constrained[0] += 1
-            self.constrained[1] += na + 1
-            for j in range(min(na, self.num_drafts)):
-                self.constrained[2][j] += 1
         self.verify_steps += 1
         self.verified += na + 1
         self.emitted += emitted
         b = self.by_bucket[bucket_label(seq_len)]
         b[0] += 1
+        if constrained:
+            self.constrained[0] += 1
+            self.constrained[1] += na + 1
         for j in range(min(na, self.num_drafts)):
             self.accepted_gt[j] += 1
             b[1][j] += 1
-
-    @property
-    def tau(self) -> float:
-        return self.verified / self.verify_steps if self.verify_steps else 0.0
+            if constrained:
+                self.constrained[2][j] += 1
 
     @property
     def accept_at(self) -> list:
@@ -90,7 +84,7 @@ class Telemetry:
     def summary(self) -> dict:
         cs, cv, cgt = self.constrained
         return {
-            "tau": self.tau,
+            "tau": self.verified / max(self.verify_steps, 1),
             "accept_at": self.accept_at,
             "verify_steps": self.verify_steps,
             "emitted": self.emitted,
