@@ -142,13 +142,12 @@ class Scheduler:
             r = adm.result
             self._emit(seq, r.tokens[0], r.logprobs[0] if r.logprobs else None, PREFILL)
             report.admitted.append((seq.id, r.tokens[0]))
-        if not seq.finished:
-            with self.tel.phase("propose"):
-                if not self.runner.propose_first(seq, adm, self.gamma):
-                    self.tel.propose_failures += 1
         if seq.finished:
             self._release(seq)
         else:
+            with self.tel.phase("propose"):
+                if not self.runner.propose_first(seq, adm, self.gamma):
+                    self.tel.propose_failures += 1
             self.running.append(seq)
 
     @contextmanager
