@@ -71,7 +71,9 @@ def read_schema(path: str) -> dict:
 def read_prompts(args) -> list:
     text = read_file("--prompts-file", args.prompts_file) if args.prompts_file else ""
     prompts = list(args.prompt or [])
-    for i, line in enumerate([line for line in text.split("\n") if line.strip()], 1):
+    for i, line in enumerate(text.split("\n"), 1):  # i: the line number in the file, blank lines included
+        if not line.strip():
+            continue
         try:
             prompts.append(json.loads(line)["prompt"] if line.lstrip().startswith("{") else line)
         except (json.JSONDecodeError, KeyError, TypeError):

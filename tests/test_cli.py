@@ -45,6 +45,8 @@ def test_generate_with_no_arguments_uses_the_shipped_weights():
 def test_user_errors_exit_2_without_traceback(ckpt, tmp_path):
     bad_utf8 = tmp_path / "bad.txt"
     bad_utf8.write_bytes(b"\xff\xfe\x00 prompt\n")
+    bad_json = tmp_path / "bad.jsonl"
+    bad_json.write_text('{"prompt": "x = 1"}\n\n{"prompt": oops}\n')  # line 3, after a blank line
     cases = {
         ("--model", tmp_path / "missing"): "not a checkpoint directory",
         ("--model", ckpt, "--temperature", "-1"): "SamplingParams.temperature",
@@ -53,6 +55,7 @@ def test_user_errors_exit_2_without_traceback(ckpt, tmp_path):
         ("--model", ckpt, "--num-drafts", "-2"): "num_drafts",
         ("--model", ckpt, "--prompts-file", tmp_path / "none.txt"): "cannot read",
         ("--model", ckpt, "--prompts-file", bad_utf8): "not UTF-8",
+        ("--model", ckpt, "--prompts-file", bad_json): "line 3 is not JSON",
         ("--model", ckpt, "--max-seq-len", "8", "--prompt", "x " * 30): "max_seq_len 8",
         ("--model", ckpt, "--prompt", ""): "empty prompt",
         ("--model", ckpt, "--dtype", "int8"): "dtype",
