@@ -449,8 +449,10 @@ def run(args, base: Path, out: Path, cfg: ModelConfig, init_head: dict | None = 
         ema = vals if ema is None else 0.95 * ema + 0.05 * vals
         rate, U = tokens / train_s, args.unroll
         fmt = lambda xs: "/".join(f"{x:.3f}" for x in xs.tolist())  # noqa: E731
-        bar.show(min(1.0, progress), f"{train_s / 60:5.1f}/{args.minutes:g} min  step {step}  loss {ema[0]:.3f}  "
-                 f"ce {fmt(ema[1:1 + U])}  agree {fmt(ema[1 + U:])}  {rate:,.0f} tok/s  lr {lr:.1e}")
+        where = f"step {step}/{args.steps}  {train_s / 60:5.1f} min" if args.steps else \
+            f"{train_s / 60:5.1f}/{args.minutes:g} min  step {step}"
+        bar.show(min(1.0, progress), f"{where}  loss {ema[0]:.3f}  ce {fmt(ema[1:1 + U])}  agree {fmt(ema[1 + U:])}  "
+                 f"{rate:,.0f} tok/s  lr {lr:.1e}")
         if step % args.log_every == 0:
             r = lambda xs: [round(x, 4) for x in xs.tolist()]  # noqa: E731
             history.append({"step": step, "minutes": round(train_s / 60, 2), "loss_ema": round(ema[0].item(), 4),
