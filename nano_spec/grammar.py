@@ -58,14 +58,15 @@ class Constraint:
 
 class DraftMasks:
     """Masks of R rows after drafts pushed one position at a time: row r is masked by its constraint's state
-    after the drafts pushed so far; rows without a constraint get all ones. `close()` rolls every matcher back.
-    `num` is the drafts each row may push: `num` if given (the real drafts of a verify), else γ, cut where a
-    row's matcher refuses a draft (that draft cannot be accepted, so what its row allows later is unused)."""
+    after the drafts pushed so far. `num` is the drafts each row may push: `num` if given (the real drafts of a
+    verify), else γ, cut where a row's matcher refuses a draft. Rows past their `num`, and rows without a
+    constraint, get all ones: nothing they pick there is kept, so no mask is computed. `close()` rolls back."""
 
     def __init__(self, constraints: list, gamma: int, device, num: list | None = None):
         self.cons, self.device = constraints, device
         self.num = list(num) if num is not None else [gamma] * len(constraints)
         self.pushed = [0] * len(constraints)
+        self.pos = 0  # positions pushed so far
         self.on = any(c is not None for c in constraints)
 
     def mask(self) -> torch.Tensor | None:
@@ -75,7 +76,7 @@ class DraftMasks:
         W = next(c for c in self.cons if c is not None).W
         out = torch.full((len(self.cons), W), -1, dtype=torch.int32)
         for r, c in enumerate(self.cons):
-            if c is not None:
+            if c is not None and self.num[r] >= self.pos:
                 out[r] = c.mask()
         return out.to(self.device)
 
@@ -83,6 +84,7 @@ class DraftMasks:
         """Draft i of every row, tokens (R,), advances the constrained rows' matchers."""
         if not self.on:
             return
+        self.pos = i + 1
         for r, (c, t) in enumerate(zip(self.cons, tokens.tolist())):
             if c is not None and self.num[r] > i:
                 if c.push(t):
@@ -99,8 +101,7 @@ class DraftMasks:
 
 def verify_bitmask(constraints: list, drafts: torch.Tensor, num_drafts: torch.Tensor) -> torch.Tensor:
     """(B, K, W) int32 on the drafts' device: row j of a constrained sequence is the mask after its drafts[:j]
-    (rows past its real drafts repeat the last; their picks are never emitted); a free sequence's allow everything.
-    drafts (B, γ), num_drafts (B,)."""
+    rows past its real drafts, and every row of a free sequence, allow everything. drafts (B, γ), num_drafts (B,)."""
     host = torch.cat([num_drafts[:, None], drafts], 1).cpu()  # one copy to the host
     masks = DraftMasks(constraints, drafts.shape[1], "cpu", host[:, 0].tolist())
     try:
