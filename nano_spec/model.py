@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kernels.common import apply_rope_ref
+from nano_spec_kernels.common import apply_rope_ref
 from nano_spec.cache import HybridCache
 from nano_spec.config import ModelConfig
 from nano_spec.ops import Ops

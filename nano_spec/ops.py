@@ -1,21 +1,21 @@
 """The backend switch: every op the model runs, as a torch reference or a Triton kernel.
 
-Each file in `kernels/` defines `<name>_ref` (plain torch) and `<name>` (the
+Each module of `nano_spec_kernels` (the folder `kernels/`) defines `<name>_ref` (plain torch) and `<name>` (the
 Triton launcher) with the same signature. `Ops("torch")` binds the references,
 `Ops("triton")` the launchers; `"auto"` is triton on CUDA (when triton is installed)
 and torch elsewhere. One exception: the torch backend's prefill scan runs prompts of
 CHUNKED_FROM tokens or more as chunked SSD matmuls (ssd.py), not a Python loop over T.
 
 Triton is optional: without it (macOS, Windows) the kernel modules still import
-(kernels.common stands in for triton), so the torch backend works and
+(nano_spec_kernels.common stands in for triton), so the torch backend works and
 `Ops("triton")` is refused with a ValueError.
 """
 import importlib
 
 import torch
 
-from kernels.common import HAS_TRITON
-from kernels.mamba_scan import mamba_scan_ref
+from nano_spec_kernels.common import HAS_TRITON
+from nano_spec_kernels.mamba_scan import mamba_scan_ref
 from nano_spec.ssd import mamba_scan_chunked
 
 OP_NAMES = (
@@ -50,7 +50,7 @@ class Ops:
             raise ValueError("backend: 'triton' needs the triton package (Linux only); use backend='torch'")
         self.backend = backend
         for name in OP_NAMES:
-            module = importlib.import_module(f"kernels.{name}")
+            module = importlib.import_module(f"nano_spec_kernels.{name}")
             setattr(self, name, getattr(module, name if backend == "triton" else f"{name}_ref"))
         if backend == "torch":
             self.mamba_scan = torch_prefill_scan

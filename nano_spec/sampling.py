@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.verdict_greedy import unpack_bitmask
-from kernels.verdict_sample import sampling_probs_ref
+from nano_spec_kernels.verdict_greedy import unpack_bitmask
+from nano_spec_kernels.verdict_sample import sampling_probs_ref
 from nano_spec.config import is_int
 
 

@@ -1,6 +1,6 @@
 """Mamba2 prefill as chunked SSD ("state space duality"), plain torch and differentiable.
 
-The recurrence of kernels/mamba_scan.py, per head h of group g,
+The recurrence of nano_spec_kernels/mamba_scan.py, per head h of group g,
 
     S_t = exp(dt_t A) S_{t-1} + dt_t x_t B_t^T        y_t = S_t C_t + D x_t,
 
@@ -18,7 +18,7 @@ Shapes (docs/DESIGN.md §1; the C projection is called Cm so that C stays conv_d
 import torch
 import torch.nn.functional as F
 
-from kernels.common import mamba_dt_ref, split_xbc
+from nano_spec_kernels.common import mamba_dt_ref, split_xbc
 
 INF = float("inf")
 
@@ -39,7 +39,7 @@ def segsum(a):
 
 def mamba_scan_chunked(xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, n_groups: int, head_dim: int,
                        dt_limit=(0.0, INF), *, chunk_size: int = 64):
-    """Same contract as kernels.mamba_scan.mamba_scan_ref: xBC (T, C) conv inputs, dt (T, H) raw time steps;
+    """Same contract as nano_spec_kernels.mamba_scan.mamba_scan_ref: xBC (T, C) conv inputs, dt (T, H) raw time steps;
     conv_weight (C, W), conv_bias (C,) or None, dt_bias, A_log, D (H,)
     -> (y (T, H, P) in xBC's dtype, ssm_state (H, P, N) fp32, conv_window (C, W-1))."""
     T, Cdim = xBC.shape

@@ -13,9 +13,10 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "kernels")]  # nano_spec, nano_spec_kernels: runnable without installing
 
-from kernels import (attention_prefill, attention_verify, commit_state, gated_rmsnorm, gather_rows,  # noqa: E402
+from nano_spec_kernels import (attention_prefill, attention_verify, commit_state, gated_rmsnorm, gather_rows,  # noqa: E402
                      mamba_scan, mamba_verify, rmsnorm, verdict_greedy, verdict_sample)
 
 # pointers default to fp32 and scalars to i32; these are the exceptions

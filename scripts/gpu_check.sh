@@ -9,7 +9,7 @@
 #   4. the end-to-end bench on the shipped weights
 set -u
 cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD:$PWD/kernels${PYTHONPATH:+:$PYTHONPATH}"  # nano_spec and nano_spec_kernels, installed or not
 unset TRITON_INTERPRET
 dir="${OUT:-/tmp/nano_spec_gpu_check}"
 mkdir -p "$dir"

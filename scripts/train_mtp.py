@@ -63,7 +63,7 @@ from tokenizers import Tokenizer
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/train.py: the corpus and schedule helpers
 import train as base_train  # noqa: E402  (it puts the repository root on sys.path too)
 
-from kernels.common import apply_rope_ref  # noqa: E402
+from nano_spec_kernels.common import apply_rope_ref  # noqa: E402
 from nano_spec import ssd  # noqa: E402
 from nano_spec.config import ModelConfig  # noqa: E402
 from nano_spec.model import MTPHead  # noqa: E402

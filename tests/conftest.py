@@ -1,11 +1,17 @@
 """Test setup: without CUDA, Triton kernels run in the interpreter on the CPU.
 
 TRITON_INTERPRET must be set before any `@triton.jit` function is defined, so
-this happens at conftest import, before the test modules import `kernels`.
+this happens at conftest import, before the test modules import `nano_spec_kernels`.
 """
 import os
+import sys
+from pathlib import Path
 
 import torch
+
+# The checkout's kernels, whether nano_spec is installed editable, as a wheel, or not at all:
+# the folder kernels/ holds the one package nano_spec_kernels (README, "Layout").
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -7,8 +7,8 @@ compared bit-for-bit with its value before the call (assert_unchanged).
 import pytest
 import torch
 
-from kernels.attention_prefill import attention_prefill, attention_prefill_ref
-from kernels.attention_verify import _attention_verify, attention_verify, attention_verify_ref
+from nano_spec_kernels.attention_prefill import attention_prefill, attention_prefill_ref
+from nano_spec_kernels.attention_verify import _attention_verify, attention_verify, attention_verify_ref
 from helpers import assert_close, assert_unchanged
 
 SCALE = 0.37  # deliberately not 1/sqrt(Dh): the kernels must use the given scale

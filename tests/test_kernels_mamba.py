@@ -8,11 +8,11 @@ Shapes stay small: the interpreter runs one numpy op per Triton op per program.
 import pytest
 import torch
 
-from kernels.commit_state import commit_state, commit_state_ref
-from kernels.gated_rmsnorm import gated_rmsnorm, gated_rmsnorm_ref
-from kernels.mamba_scan import mamba_scan, mamba_scan_ref
-from kernels.mamba_verify import mamba_verify, mamba_verify_ref
-from kernels.rmsnorm import rmsnorm, rmsnorm_ref
+from nano_spec_kernels.commit_state import commit_state, commit_state_ref
+from nano_spec_kernels.gated_rmsnorm import gated_rmsnorm, gated_rmsnorm_ref
+from nano_spec_kernels.mamba_scan import mamba_scan, mamba_scan_ref
+from nano_spec_kernels.mamba_verify import mamba_verify, mamba_verify_ref
+from nano_spec_kernels.rmsnorm import rmsnorm, rmsnorm_ref
 from helpers import assert_close, assert_unchanged
 
 INF = float("inf")
@@ -152,7 +152,7 @@ def test_mamba_verify_k_rows_equal_k_single_steps(K, device):
 def sequential_verify_ref(xBC, dt, conv_state, ssm_state, slots, conv_weight, conv_bias, dt_bias, A_log, D,
                           ssm_stash, conv_stash, G, dt_limit=(0.0, INF)):
     """The K rows one at a time through ssm_step_ref: the form mamba_verify_ref must equal bit for bit."""
-    from kernels.common import conv_silu_ref, mamba_dt_ref, split_xbc, ssm_step_ref
+    from nano_spec_kernels.common import conv_silu_ref, mamba_dt_ref, split_xbc, ssm_step_ref
 
     K, (H, P) = xBC.shape[1], ssm_state.shape[1:3]
     window = torch.cat([conv_state[slots], xBC.transpose(1, 2)], dim=-1)

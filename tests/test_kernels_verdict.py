@@ -8,9 +8,9 @@ the target distribution (a chi-square test with a fixed seed).
 import pytest
 import torch
 
-from kernels.gather_rows import gather_rows, gather_rows_ref
-from kernels.verdict_greedy import _verdict_greedy, verdict_greedy, verdict_greedy_ref
-from kernels.verdict_sample import _verdict_sample, sampling_probs_ref, verdict_sample, verdict_sample_ref
+from nano_spec_kernels.gather_rows import gather_rows, gather_rows_ref
+from nano_spec_kernels.verdict_greedy import _verdict_greedy, verdict_greedy, verdict_greedy_ref
+from nano_spec_kernels.verdict_sample import _verdict_sample, sampling_probs_ref, verdict_sample, verdict_sample_ref
 from helpers import assert_unchanged
 
 ERRS: dict[str, float] = {}

@@ -14,7 +14,7 @@ import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-KERNEL_MODULES = sorted(p.stem for p in (ROOT / "kernels").glob("*.py") if p.stem != "__init__")
+KERNEL_MODULES = sorted(p.stem for p in (ROOT / "kernels" / "nano_spec_kernels").glob("*.py") if p.stem != "__init__")
 
 # first lines of every child: make sure triton is not loaded yet, then make its import fail
 BLOCK_TRITON = """
@@ -62,13 +62,13 @@ def test_every_kernel_module_imports():
 
         import torch
 
-        import kernels.common
+        import nano_spec_kernels.common
 
-        assert not kernels.common.HAS_TRITON
+        assert not nano_spec_kernels.common.HAS_TRITON
         for name in {KERNEL_MODULES!r}:
-            importlib.import_module("kernels." + name)
+            importlib.import_module("nano_spec_kernels." + name)
         # a launcher checks its inputs, then refuses to run rather than fail deep inside
-        from kernels.rmsnorm import rmsnorm
+        from nano_spec_kernels.rmsnorm import rmsnorm
         try:
             rmsnorm(torch.randn(3, 8), torch.ones(8), 1e-5)
         except ImportError as e:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from helpers import tiny_model
-from kernels.verdict_sample import sampling_probs_ref
+from nano_spec_kernels.verdict_sample import sampling_probs_ref
 from nano_spec import sampling as sampling_mod
 from nano_spec.proposers import MTPProposer, NoProposer
 from nano_spec.runner import ModelRunner

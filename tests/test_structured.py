@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from helpers import tiny_checkpoint
-from kernels.verdict_greedy import unpack_bitmask
+from nano_spec_kernels.verdict_greedy import unpack_bitmask
 from nano_spec import LLM, SamplingParams
 from nano_spec.reference import filtered
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.mamba_scan import mamba_scan_ref
+from nano_spec_kernels.mamba_scan import mamba_scan_ref
 from nano_spec.ssd import mamba_scan_chunked
 from helpers import assert_close
 

@@ -14,8 +14,8 @@ import itertools
 import pytest
 import torch
 
-from kernels.attention_verify import attention_verify, attention_verify_ref
-from kernels.verdict_greedy import verdict_greedy, verdict_greedy_ref
+from nano_spec_kernels.attention_verify import attention_verify, attention_verify_ref
+from nano_spec_kernels.verdict_greedy import verdict_greedy, verdict_greedy_ref
 
 try:
     from tests.bench.util import report_row, time_ms

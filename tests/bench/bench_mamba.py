@@ -14,10 +14,10 @@ interpreter's timings mean nothing), on smaller shapes.
 import pytest
 import torch
 
-from kernels.commit_state import commit_state, commit_state_ref
-from kernels.mamba_scan import mamba_scan, mamba_scan_ref
-from kernels.mamba_verify import mamba_verify, mamba_verify_ref
-from kernels.rmsnorm import rmsnorm, rmsnorm_ref
+from nano_spec_kernels.commit_state import commit_state, commit_state_ref
+from nano_spec_kernels.mamba_scan import mamba_scan, mamba_scan_ref
+from nano_spec_kernels.mamba_verify import mamba_verify, mamba_verify_ref
+from nano_spec_kernels.rmsnorm import rmsnorm, rmsnorm_ref
 
 try:
     from tests.bench.util import report_row, time_ms

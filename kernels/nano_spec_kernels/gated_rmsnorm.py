@@ -8,7 +8,7 @@ group rounds to z's dtype before the weight, as in the reference.
 import torch
 import torch.nn.functional as F
 
-from kernels.common import check_placed, checker, rms_normalize, tl, triton
+from nano_spec_kernels.common import check_placed, checker, rms_normalize, tl, triton
 
 _check = checker("gated_rmsnorm")
 

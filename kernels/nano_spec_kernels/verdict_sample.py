@@ -27,7 +27,7 @@ consistent and a draw never runs past the last token with mass except where the 
 """
 import torch
 
-from kernels.common import check_verdict, checker, tl, triton
+from nano_spec_kernels.common import check_verdict, checker, tl, triton
 
 _check = checker("verdict_sample")
 

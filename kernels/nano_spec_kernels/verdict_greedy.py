@@ -13,7 +13,7 @@ programs for the device when V is 100k+; the split count depends on shapes only.
 """
 import torch
 
-from kernels.common import check_verdict, checker, split_chunks, tl, triton
+from nano_spec_kernels.common import check_verdict, checker, split_chunks, tl, triton
 
 _check = checker("verdict_greedy")
 

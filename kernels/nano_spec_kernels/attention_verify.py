@@ -19,7 +19,7 @@ never on seq_lens values, so there is no host sync; programs past a sequence's l
 """
 import torch
 
-from kernels.common import (apply_rope_ref, check_attention, checker, dot_precision,
+from nano_spec_kernels.common import (apply_rope_ref, check_attention, checker, dot_precision,
                             online_softmax_step, pow2, rope_inv_freq, rope_load, split_chunks,
                             tl, triton)
 

@@ -21,7 +21,7 @@ channels on the fly (x of its head, B and C of its group, which every head block
 """
 import torch
 
-from kernels.common import (check_mamba_params, checker, conv_silu_ref, load_conv_taps, load_head_params,
+from nano_spec_kernels.common import (check_mamba_params, checker, conv_silu_ref, load_conv_taps, load_head_params,
                             mamba_channels, mamba_dt, mamba_dt_ref, pow2, split_xbc, ssm_step_ref, tl, triton)
 
 CHUNK = 32  # Q: tokens per chunk of the SSD form (tl.dot wants >= 16; 64 spills on sm_90 with N = 128)

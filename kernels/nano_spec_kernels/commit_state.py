@@ -14,7 +14,7 @@ fold into the masks, so a row that does not commit moves no bytes and the host n
 """
 import torch
 
-from kernels.common import check_placed, checker, tl, triton
+from nano_spec_kernels.common import check_placed, checker, tl, triton
 
 _check = checker("commit_state")
 

@@ -6,7 +6,7 @@ Program (b, i) copies block i (BLOCK_D elements) of that row to out[b].
 """
 import torch
 
-from kernels.common import check_placed, checker, tl, triton
+from nano_spec_kernels.common import check_placed, checker, tl, triton
 
 _check = checker("gather_rows")
 

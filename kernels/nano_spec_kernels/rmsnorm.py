@@ -8,7 +8,7 @@ pass over the row does both. The Triton version runs one program per row, roundi
 """
 import torch
 
-from kernels.common import check_placed, checker, rms_normalize, tl, triton
+from nano_spec_kernels.common import check_placed, checker, rms_normalize, tl, triton
 
 _check = checker("rmsnorm")
 

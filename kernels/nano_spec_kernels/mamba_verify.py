@@ -23,7 +23,7 @@ The Triton version is two launches:
 """
 import torch
 
-from kernels.common import (check_mamba_params, check_placed, checker, conv_silu_ref, load_conv_taps,
+from nano_spec_kernels.common import (check_mamba_params, check_placed, checker, conv_silu_ref, load_conv_taps,
                             load_head_params, mamba_channels, mamba_dt, mamba_dt_ref, split_xbc, tl, triton)
 
 _check = checker("mamba_verify")

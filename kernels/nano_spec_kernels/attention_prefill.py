@@ -17,7 +17,7 @@ rounded values, as the reference does) and rotates q on load.
 """
 import torch
 
-from kernels.common import (apply_rope_ref, check_attention, checker, dot_precision,
+from nano_spec_kernels.common import (apply_rope_ref, check_attention, checker, dot_precision,
                             online_softmax_step, pow2, rope_inv_freq, rope_load, tl, triton)
 
 _check = checker("attention_prefill")

@@ -1,5 +1,0 @@
-"""nano_spec kernels: one file per kernel with the Triton kernel, its launcher and a plain-torch
-reference `<name>_ref` of the same signature; shared helpers live in `kernels.common`.
-Nothing here imports `nano_spec`, and every module imports without triton (the references work,
-the launchers raise an ImportError): `nano_spec.ops` picks references or launchers.
-"""
