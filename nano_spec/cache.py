@@ -4,7 +4,6 @@ A slot s holds one live sequence. All Mamba layers share one tensor per kind of
 state, so one launch can commit every layer of every sequence:
 
     k, v           (La, S, Lmax, Hkv, Dh)   attention KV, La attention layers
-    mtp_k, mtp_v   (S, Lmax, Hkv, Dh)       the MTP head's own KV (when it has one)
     conv_state     (Lm, S, C, W-1)          last W-1 conv inputs of each Mamba layer
     ssm_state      (Lm, S, H, P, N) fp32    the recurrent state
 
@@ -15,7 +14,8 @@ The stashes are written by a verify over B sequences x K rows:
     hidden_stash   (B, K, D)                final-normed hidden of each row (seeds the MTP)
 
 They live in flat buffers sized for (max_batch, max_k) and are viewed at the
-step's (B, K), so every view is contiguous.
+step's (B, K), so every view is contiguous. A proposer keeps its own state
+(the MTP head's KV rows live in proposers.MTPProposer).
 """
 import torch
 
@@ -26,10 +26,10 @@ def cache_bytes(cfg: ModelConfig, num_slots: int, max_seq_len: int, max_batch: i
                 dtype: torch.dtype) -> dict:
     """Bytes of every buffer, counted on the meta device before anything is allocated."""
     c = HybridCache(cfg, num_slots, max_seq_len, max_k, "meta", dtype, max_batch)
-    parts = {"kv": (c.k, c.v), "mtp_kv": (c.mtp_k, c.mtp_v), "conv_state": (c.conv_state,),
+    parts = {"kv": (c.k, c.v), "conv_state": (c.conv_state,),
              "ssm_state": (c.ssm_state,), "ssm_stash": (c._ssm_stash,), "conv_stash": (c._conv_stash,),
              "hidden_stash": (c._hidden_stash,)}
-    return {name: sum(t.numel() * t.element_size() for t in ts if t is not None) for name, ts in parts.items()}
+    return {name: sum(t.numel() * t.element_size() for t in ts) for name, ts in parts.items()}
 
 
 class HybridCache:
@@ -44,8 +44,6 @@ class HybridCache:
         kw = dict(device=device, dtype=dtype)
         self.k = torch.zeros(La, S, max_seq_len, Hkv, Dh, **kw)
         self.v = torch.zeros_like(self.k)
-        self.mtp_k = torch.zeros(S, max_seq_len, Hkv, Dh, **kw) if cfg.has_mtp else None
-        self.mtp_v = torch.zeros_like(self.mtp_k) if cfg.has_mtp else None
         self.conv_state = torch.zeros(Lm, S, C, W - 1, **kw)
         self.ssm_state = torch.zeros(Lm, S, H, P, N, device=device, dtype=torch.float32)
         self._ssm_stash = torch.zeros(Lm * B * max_k * H * P * N, device=device, dtype=torch.float32)
@@ -79,3 +77,16 @@ class HybridCache:
         """
         self.conv_state[:, slot].zero_()
         self.ssm_state[:, slot].zero_()
+
+
+class SlotIds:
+    """The device tensor of a batch's slot ids, uploaded only when the batch changes."""
+
+    def __init__(self, device):
+        self.device, self.key, self.ids = device, None, None
+
+    def __call__(self, seqs) -> torch.Tensor:  # (B,)
+        key = tuple(s.slot for s in seqs)
+        if key != self.key:
+            self.key, self.ids = key, torch.tensor(key, dtype=torch.long, device=self.device)
+        return self.ids

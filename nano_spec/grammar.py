@@ -99,10 +99,10 @@ class DraftMasks:
         self.pushed = [0] * len(self.cons)
 
 
-def verify_bitmask(constraints: list, drafts: torch.Tensor, num_drafts: torch.Tensor) -> torch.Tensor:
+def verify_bitmask(constraints: list, drafts: torch.Tensor, nd: torch.Tensor) -> torch.Tensor:
     """(B, K, W) int32 on the drafts' device: row j of a constrained sequence is the mask after its drafts[:j]
-    rows past its real drafts, and every row of a free sequence, allow everything. drafts (B, γ), num_drafts (B,)."""
-    host = torch.cat([num_drafts[:, None], drafts], 1).cpu()  # one copy to the host
+    rows past its real drafts, and every row of a free sequence, allow everything. drafts (B, γ), nd (B,)."""
+    host = torch.cat([nd[:, None], drafts], 1).cpu()  # one copy to the host
     masks = DraftMasks(constraints, drafts.shape[1], "cpu", host[:, 0].tolist())
     try:
         rows = [masks.mask()]

@@ -1,19 +1,19 @@
 """The Python API: LLM(...).generate(prompts, params) and LLM(...).stream(prompt, params)."""
 import os
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from nano_spec.cache import cache_bytes
+from nano_spec import capacity
 from nano_spec.config import ModelConfig, is_int
 from nano_spec.grammar import Grammars
-from nano_spec.model import HybridLM
 from nano_spec.ops import resolve_backend
 from nano_spec.planner import DraftPlanner
-from nano_spec.proposers import make_proposer
-from nano_spec.runner import ModelRunner
+from nano_spec.proposers import make_proposer, resolve_proposer
+from nano_spec.runner import ModelRunner, cache_len
 from nano_spec.sampling import SamplingParams
 from nano_spec.scheduler import Scheduler
 from nano_spec.telemetry import Telemetry
@@ -23,17 +23,6 @@ from nano_spec.weights import load_model, stored_dtype
 WEIGHTS_DIR = Path(__file__).resolve().parent.parent / "weights"
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
-
-
-def available_bytes(device: torch.device) -> int:
-    """Free memory on the device the caches will live on."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:  # MemAvailable counts the page cache the kernel can reclaim, which free pages alone leave out
-        with open("/proc/meminfo") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError, IndexError):
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def _device(device) -> torch.device:
@@ -51,54 +40,6 @@ def _device(device) -> torch.device:
     if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
         raise ValueError(f"device: {device} does not exist ({torch.cuda.device_count()} CUDA devices)")
     return device
-
-
-def weight_bytes(cfg: ModelConfig, dtype) -> int:
-    """Bytes of the model's weights in dtype, counted on the meta device (nothing is allocated)."""
-    with torch.device("meta"):
-        n = sum(p.numel() for p in HybridLM(cfg).parameters())
-    return n * torch.tensor([], dtype=dtype).element_size()
-
-
-def memory_parts(cfg: ModelConfig, max_batch: int, max_seq_len: int, num_drafts: int, dtype, weights: int) -> dict:
-    """Bytes of the weights and of every cache and stash for these settings (nothing is allocated)."""
-    K = num_drafts + 1
-    caches = cache_bytes(cfg, max_batch, max_seq_len + 2 * K, max_batch, K, dtype)
-    probs = max_batch * num_drafts * cfg.vocab_size * 4  # allocated on the first sampled request
-    return {"weights": weights, **caches, "draft_probs": probs}
-
-
-def check_memory(cfg: ModelConfig, max_batch: int, max_seq_len: int, num_drafts: int, dtype, budget: int):
-    """Refuse, before allocating anything, weights, caches and stashes that do not fit in the budget."""
-    parts = memory_parts(cfg, max_batch, max_seq_len, num_drafts, dtype, weight_bytes(cfg, dtype))
-    need = sum(parts.values())
-    if need > budget:
-        detail = ", ".join(f"{k} {_size(v)}" for k, v in parts.items() if v)
-        raise ValueError(f"memory: max_batch={max_batch}, max_seq_len={max_seq_len}, "
-                         f"K={num_drafts + 1} need {_size(need)} of weights and caches ({detail}) "
-                         f"but the budget is {_size(budget)}; lower max_batch or max_seq_len")
-    return need
-
-
-def default_max_seq_len(cfg: ModelConfig, max_batch: int, num_drafts: int, dtype, budget: int) -> int:
-    """The largest max_seq_len, at most max_position_embeddings, whose weights and caches fit.
-
-    Only the KV caches grow with it, so the need is monotonic and a bisection finds it. When not
-    even 2 fits it returns 2, which check_memory refuses with the numbers (max_batch is too big)."""
-    weights = weight_bytes(cfg, dtype)
-    fits = lambda n: sum(memory_parts(cfg, max_batch, n, num_drafts, dtype, weights).values()) <= budget  # noqa: E731
-    lo, hi = 2, max(2, cfg.max_position_embeddings)
-    while lo < hi:  # lo is 2 or fits, everything above hi does not fit
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
-    return lo
-
-
-def _size(n: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n} B"
 
 
 def shipped_weights() -> Path:
@@ -122,26 +63,15 @@ class Output:
     error: str | None = None         # what failed, when finish_reason is "error"
 
 
-SPLIT_WORK = 32e6  # parameters x rows per step below which one CPU thread is faster (README, Threads)
-TORCH_THREADS = torch.get_num_threads()  # torch's own default (one per core), as found at import
-
-
-def default_threads(model, max_batch: int, device) -> int:
-    """1 on a CPU when a step's work (parameters x max_batch) is too small to split across cores,
-    else torch's default (one thread per core). Measured on the shipped 8M model: 1 thread wins at
-    batch 1, 2 threads at batch 8."""
-    work = sum(p.numel() for p in model.parameters()) * max_batch
-    return 1 if device.type == "cpu" and work < SPLIT_WORK else TORCH_THREADS
-
-
 class LLM:
     def __init__(self, model=None, backend: str = "auto", device: str = "auto", dtype=None, max_batch: int = 8,
                  num_drafts: int | str = "auto", proposer="auto", max_seq_len: int | None = None,
                  memory_budget: int | None = None, threads: int | None = None, clock=time.perf_counter,
                  on_step=None):
-        """proposer: "auto", "mtp", "ngram", "none", or an object with num_drafts, first() and next()
-        (nano_spec/proposers.py). num_drafts: γ, or "auto": γ chosen per step (nano_spec/planner.py).
-        threads: torch's intra-op threads, process-wide; None: the rule of `default_threads`.
+        """proposer: "auto", "mtp", "ngram", "none", or an object with max_drafts, admit(), draft() and
+        catch_up() (nano_spec/proposers.py). num_drafts: γ for every step, or "auto": γ chosen per step
+        (nano_spec/planner.py) up to max_drafts = 4.
+        threads: torch's intra-op threads, process-wide; None: the rule of `capacity.default_threads`.
         on_step: called with a StepReport after every engine step."""
         if model is not None and not isinstance(model, (str, os.PathLike)):
             raise ValueError(f"model: expected a checkpoint directory path, got {type(model).__name__}")
@@ -154,8 +84,8 @@ class LLM:
             raise ValueError(f"max_batch: {max_batch!r} must be an integer in [1, 1024]")
         if memory_budget is not None and not is_int(memory_budget, 1):
             raise ValueError(f"memory_budget: {memory_budget!r} must be a positive integer (bytes) or None")
-        if threads is not None and not is_int(threads, 1):
-            raise ValueError(f"threads: {threads!r} must be None or an integer >= 1")
+        if threads is not None and not is_int(threads, 1, capacity.MAX_THREADS):
+            raise ValueError(f"threads: {threads!r} must be None or an integer in [1, {capacity.MAX_THREADS}]")
         backend = resolve_backend(backend, device)
         if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(f"backend: 'triton' on {device.type} needs the Triton interpreter "
@@ -166,29 +96,31 @@ class LLM:
         cfg = ModelConfig.from_file(path / "config.json")
         self.tokenizer = Tokenizer(path, cfg)
         self.grammars = Grammars(path / "tokenizer.json", cfg.vocab_size, self.tokenizer.eos_ids)
-        self.proposer = make_proposer(proposer, num_drafts, cfg.has_mtp)
+        kind, max_drafts = resolve_proposer(proposer, num_drafts, cfg.has_mtp)
         if dtype is None:  # CUDA: the stored dtype (bf16 for hub checkpoints); CPU: fp32, see README
             dtype = stored_dtype(path) if device.type == "cuda" else torch.float32
         if max_seq_len is not None and not is_int(max_seq_len, 2):
             raise ValueError(f"max_seq_len: {max_seq_len!r} must be an integer >= 2")
-        budget = int(0.9 * available_bytes(device)) if memory_budget is None else memory_budget
+        budget = int(0.9 * capacity.available_bytes(device)) if memory_budget is None else memory_budget
+        mtp = kind == "mtp"
         if max_seq_len is None:  # the largest that fits; only an explicit request is refused
-            max_seq_len = default_max_seq_len(cfg, max_batch, self.proposer.num_drafts, dtype, budget)
-        self.cache_bytes = check_memory(cfg, max_batch, max_seq_len, self.proposer.num_drafts, dtype, budget)
+            max_seq_len = capacity.default_max_seq_len(cfg, max_batch, max_drafts, dtype, budget, mtp)
+        self.cache_bytes = capacity.check_memory(cfg, max_batch, max_seq_len, max_drafts, dtype, budget, mtp)
         self.memory_budget = budget
         self.model = load_model(path, device=device, dtype=dtype, backend=backend)
-        torch.set_num_threads(threads or default_threads(self.model, max_batch, device))
+        torch.set_num_threads(threads or capacity.default_threads(self.model, max_batch, device))
         self.max_seq_len = max_seq_len
-        self.telemetry = Telemetry(self.proposer.num_drafts, clock)
-        self.runner = ModelRunner(self.model, self.proposer, max_batch, max_seq_len)
+        self.proposer = make_proposer(kind, max_drafts, self.model, max_batch, cache_len(max_seq_len, max_drafts))
+        self.telemetry = Telemetry(max_drafts, clock)
+        self.runner = ModelRunner(self.model, self.proposer, max_batch, max_seq_len, self.telemetry)
         # the prior cost of a draft, relative to a plain step: extra verify rows are far from free on a CPU
-        self.planner = (DraftPlanner(self.proposer.num_drafts, prior_slope=0.1 if device.type == "cuda" else 0.4)
-                        if num_drafts == "auto" and self.proposer.num_drafts else None)
-        self.scheduler = Scheduler(self.runner, self.tokenizer, max_batch, max_seq_len, self.telemetry, self.planner)
+        self.planner = (DraftPlanner(max_drafts, prior_slope=0.1 if device.type == "cuda" else 0.4)
+                        if num_drafts == "auto" and max_drafts else None)
+        self.scheduler = Scheduler(self.runner, self.tokenizer, max_seq_len, self.planner)
         self.on_step = on_step
 
-    def _step(self):
-        report = self.scheduler.step()
+    def _step(self, focus=None):
+        report = self.scheduler.step(focus)
         if not (report.admitted or report.rows or report.failed):
             raise RuntimeError(f"engine step {report.index} made no progress ({len(self.scheduler.waiting)} waiting, "
                                f"{len(self.scheduler.running)} running, {len(self.scheduler.free_slots)} free slots)")
@@ -238,9 +170,10 @@ class LLM:
             raise ValueError(f"params: {len(plist)} SamplingParams for {len(prompts)} prompts")
         requests = [self._prepare(p, sp) for p, sp in zip(prompts, plist)]  # all validated before any is queued
         seqs = [self.scheduler.add(*r) for r in requests]
+        focus = {s.id for s in seqs}  # only these run: a stream nobody reads waits
         try:
             while not all(s.finished for s in seqs):
-                self._step()
+                self._step(focus)
         finally:  # an interrupted call leaves nothing of its own running
             for s in seqs:
                 self.scheduler.abort(s)
@@ -248,9 +181,10 @@ class LLM:
 
     def stream(self, prompt, params=None) -> "Stream":
         """Iterate over the completion of one prompt as text pieces, as soon as they are final; the
-        pieces always add up to the whole text, however and whenever the request finished. Closing
-        the stream early cancels the request and frees its slot. `.output` is its Output once done."""
-        return Stream(self, prompt, self.scheduler.add(*self._prepare(prompt, params)))
+        pieces always add up to the whole text, however and whenever the request finished. The request
+        is validated now and queued on the first read; closing the stream, or dropping it, cancels the
+        request and frees its slot. `.output` is its Output once done."""
+        return Stream(self, prompt, self._prepare(prompt, params))
 
     @property
     def stats(self) -> dict:
@@ -262,12 +196,17 @@ class LLM:
 
 
 class Stream:
-    """The text pieces of one request (LLM.stream). Other calls on the same LLM may advance or even
-    finish the request meanwhile; what they produced is still yielded here."""
+    """The text pieces of one request (LLM.stream). Reading it steps every running request (they share
+    the batch), so other streams advance too; generate() calls meanwhile run only their own requests."""
 
-    def __init__(self, llm: LLM, prompt, seq):
-        self.output = None
-        self._pieces = self._run(llm, prompt, seq)
+    def __init__(self, llm: LLM, prompt, request):
+        self._state = {"seq": None, "output": None}  # shared with the generator, which must not hold self
+        self._pieces = _pieces(llm, prompt, request, self._state)
+        weakref.finalize(self, _cancel, llm.scheduler, self._state)
+
+    @property
+    def output(self):
+        return self._state["output"]
 
     def __iter__(self):
         return self
@@ -278,22 +217,29 @@ class Stream:
     def close(self):
         self._pieces.close()
 
-    def _run(self, llm: LLM, prompt, seq):
-        sched = llm.scheduler
-        hold = max((len(s) for s in seq.params.stop), default=1) - 1  # a stop string may be forming
-        sent = 0
-        try:
-            while True:
-                done = seq.finished
-                text = sched.output_text(seq)
-                end = len(text) if done else len(text) - hold  # while running, text has whole characters only
-                if end > sent:
-                    yield text[sent:end]  # while suspended, other calls may advance or finish it
-                    sent = end
-                elif done:
-                    break
-                else:
-                    llm._step()
-            self.output = llm._output(prompt, seq)
-        finally:
-            sched.abort(seq)
+
+def _cancel(scheduler, state):
+    if state["seq"] is not None:
+        scheduler.abort(state["seq"])
+
+
+def _pieces(llm: LLM, prompt, request, state):
+    sched = llm.scheduler
+    seq = state["seq"] = sched.add(*request)
+    hold = max((len(s) for s in seq.params.stop), default=1) - 1  # a stop string may be forming
+    sent = 0
+    try:
+        while True:
+            done = seq.finished
+            text = sched.output_text(seq)
+            end = len(text) if done else len(text) - hold  # while running, text has whole characters only
+            if end > sent:
+                yield text[sent:end]  # while suspended, other calls may advance or finish it
+                sent = end
+            elif done:
+                break
+            else:
+                llm._step()
+        state["output"] = llm._output(prompt, seq)
+    finally:
+        sched.abort(seq)

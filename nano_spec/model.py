@@ -166,8 +166,8 @@ class HybridLM(nn.Module):
     def _stack(self, h, layers, final_norm: Norm | None, mix):
         """Run decoder layers over the residual stream h (..., D); mix(i, layer, y) is the mixer.
 
-        Each RMSNorm is fused with the residual add before it. Returns (final-normed y, residual h);
-        with final_norm None the last norm is skipped and y is None (the MTP head's callers want h).
+        Each RMSNorm is fused with the residual add before it. Returns the final-normed y, or with
+        final_norm None the residual h after the last layer (what the MTP head's callers want).
         """
         eps, rm = self.cfg.rms_norm_eps, self.cfg.residual_multiplier
         y, h = self.ops.rmsnorm(h, layers[0].input_layernorm.weight, eps)
@@ -176,9 +176,9 @@ class HybridLM(nn.Module):
             y, h = self.ops.rmsnorm(out, layer.post_attention_layernorm.weight, eps, residual=h, multiplier=rm)
             nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else final_norm
             if nxt is None:
-                return None, h + rm * layer.shared_mlp(y)  # the residual add rmsnorm would do, no norm
+                return h + rm * layer.shared_mlp(y)  # the residual add rmsnorm would do, no norm
             y, h = self.ops.rmsnorm(layer.shared_mlp(y), nxt.weight, eps, residual=h, multiplier=rm)
-        return y, h
+        return y
 
     def _mamba_out(self, m: Mamba, y, z):
         """y (..., H, P) from the scan, z (..., d_in) -> out_proj(norm(y * silu(z)))."""
@@ -218,7 +218,7 @@ class HybridLM(nn.Module):
                 return self._mamba_out(layer.mamba, ys, z)
             return self._attend_nocache(layer.self_attn, y, pos)
 
-        return self._stack(self.embed(ids), self.model.layers, self.model.norm, mix)[0]
+        return self._stack(self.embed(ids), self.model.layers, self.model.norm, mix)
 
     def _attend_nocache(self, attn: Attention, y, pos):
         """Causal attention over y (B, T, D) with torch's SDPA: an oracle independent of the kernels."""
@@ -243,7 +243,7 @@ class HybridLM(nn.Module):
             a = cache.attn_index[i]
             return self._attend(layer.self_attn, y, cache.k[a], cache.v[a], slot)
 
-        return self._stack(self.embed(ids), self.model.layers, self.model.norm, mix)[0]
+        return self._stack(self.embed(ids), self.model.layers, self.model.norm, mix)
 
     # ---- 3. verify: B slots x K rows -----------------------------------------------------------
     def verify(self, ids, slot_ids, seq_lens, cache: HybridCache, kv_len: int | None = None):
@@ -267,7 +267,7 @@ class HybridLM(nn.Module):
             a = cache.attn_index[i]
             return self._attend(layer.self_attn, y, cache.k[a, :, kv], cache.v[a, :, kv], slot_ids, seq_lens)
 
-        y = self._stack(self.embed(ids), self.model.layers, self.model.norm, mix)[0]
+        y = self._stack(self.embed(ids), self.model.layers, self.model.norm, mix)
         cache.hidden_stash(B, K).copy_(y)
         return self.logits(y)
 
@@ -287,22 +287,23 @@ class HybridLM(nn.Module):
         """No-cache reference over positions 0..T-1: next_ids (B, T), h (B, T, D) -> o (B, T, D)."""
         pos = torch.arange(next_ids.shape[1], device=next_ids.device)
         mix = lambda i, layer, y: self._attend_nocache(layer.self_attn, y, pos)  # noqa: E731
-        return self._stack(self._mtp_input(next_ids, h), [self.mtp.layer], None, mix)[1]
+        return self._stack(self._mtp_input(next_ids, h), [self.mtp.layer], None, mix)
 
-    def mtp_prefill(self, next_ids, h, slot: int, cache: HybridCache):
-        """Catch-up over a prompt's rows 0..T-1: next_ids (T,), h (T, D) -> o (T, D); writes MTP KV 0..T-1."""
-        mix = lambda i, layer, y: self._attend(layer.self_attn, y, cache.mtp_k, cache.mtp_v, slot)  # noqa: E731
-        return self._stack(self._mtp_input(next_ids, h), [self.mtp.layer], None, mix)[1]
+    def mtp_prefill(self, next_ids, h, slot: int, k_cache, v_cache):
+        """Catch-up over a prompt's rows 0..T-1: next_ids (T,), h (T, D) -> o (T, D); writes the MTP KV rows
+        0..T-1 of slot `slot` in k_cache, v_cache (S, L, Hkv, Dh)."""
+        mix = lambda i, layer, y: self._attend(layer.self_attn, y, k_cache, v_cache, slot)  # noqa: E731
+        return self._stack(self._mtp_input(next_ids, h), [self.mtp.layer], None, mix)
 
-    def mtp_step(self, next_ids, h, slot_ids, positions, cache: HybridCache, kv_len: int | None = None):
+    def mtp_step(self, next_ids, h, slot_ids, positions, k_cache, v_cache, kv_len: int | None = None):
         """R rows per sequence at MTP positions positions[b] + r: next_ids (B, R), h (B, R, D) -> o (B, R, D).
 
         Catch-up after a verify (R = K) and each recursive draft step (R = 1).
         """
         kv = slice(None, kv_len)
-        mix = lambda i, layer, y: self._attend(layer.self_attn, y, cache.mtp_k[:, kv], cache.mtp_v[:, kv],  # noqa: E731
+        mix = lambda i, layer, y: self._attend(layer.self_attn, y, k_cache[:, kv], v_cache[:, kv],  # noqa: E731
                                                slot_ids, positions)
-        return self._stack(self._mtp_input(next_ids, h), [self.mtp.layer], None, mix)[1]
+        return self._stack(self._mtp_input(next_ids, h), [self.mtp.layer], None, mix)
 
     # ---- initialisation for models trained from scratch ----------------------------------------
     @torch.no_grad()

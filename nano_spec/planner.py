@@ -5,8 +5,8 @@ online (docs/DESIGN.md §7):
 
     a_j      conditional acceptance: P(draft j accepted | drafts 1..j-1 were), decayed counts
     E(γ)   = 1 + Σ_{i≤γ} Π_{j≤i} a_j            expected tokens of a step with γ drafts
-    t_B(γ)   seconds of a step at batch size B with γ drafts (verify + verdict + commit, plus the
-             propose that drafted them): a decayed mean of the steps measured at (B, γ), shrunk
+    t_B(γ)   seconds of a step at batch size B with γ drafts (drafting, verify, accept rule, commit,
+             catch-up): a decayed mean of the steps measured at (B, γ), shrunk
              towards a line c0 + c1 γ fitted by decayed least squares over all γ ≥ 1 (a prior slope
              until two γ are measured), which also covers the γ not measured yet
     γ_eff  = argmax_γ E(γ) / t_B(γ)             predicted speedup = E(γ_eff) t_B(0) / t_B(γ_eff)
@@ -20,6 +20,7 @@ from collections import Counter
 PROBE = 6                    # one step in PROBE tries a neighbour (γ*-1, γ*+1, then 0, in turn)
 PRIOR_ACCEPT = (0.8, 0.75)   # a_1, then a_j for j > 1, as PRIOR_WEIGHT pseudo-trials
 PRIOR_WEIGHT = 4.0
+MIN_SECONDS = 1e-9           # the floor of a measured step: costs divide speedups
 
 
 class Decayed:
@@ -48,7 +49,6 @@ class DraftPlanner:
         self.bare = {}                   # class -> the same without the MTP catch-up plain decoding skips
         self.seen = {}                   # (class, γ >= 1) -> Decayed seconds
         self.line = {}                   # class -> decayed [Σw, Σwγ, Σwγ², Σwt, Σwγt] of γ >= 1 steps
-        self.pending = {}                # γ -> propose seconds that drafted the coming verify
         self.steps, self.hist = 0, Counter()
         self.pred_time = self.pred_weighted = 0.0
 
@@ -111,21 +111,18 @@ class DraftPlanner:
             best = min(max(0, best - 1 if turn == 0 else best + 1 if turn == 1 else 0), self.max_drafts)
         return best
 
-    def observe_propose(self, gamma: int, seconds: float):
-        self.pending = {gamma: seconds}
-
-    def observe_step(self, B: int, gamma: int, seconds: float, results: list):
-        """A verify step at γ: its seconds (verify + verdict + commit) and (na, nd) per sequence."""
-        drafted = self.pending.pop(gamma, None)  # None: drafted at admission, not a step's propose
-        verify_s, seconds = seconds, seconds + (drafted or 0.0)
+    def observe_step(self, B: int, gamma: int, seconds: float, proposer_seconds: float, results: list):
+        """A step at γ: its seconds, of which the proposer's (drafting and catch-up), and (na, nd) per sequence."""
+        seconds = max(seconds, MIN_SECONDS)  # a coarse or frozen clock reads 0
         c = B.bit_length()
         if c in self.plain or c in self.line:  # a stall of the machine is not the step's cost
             seconds = min(seconds, 3 * self.step_cost(B, gamma))
         per_seq = seconds / B
         if gamma == 0:
             self.plain.setdefault(c, Decayed(self.keep_cost)).add(per_seq)
-            self.bare.setdefault(c, Decayed(self.keep_cost)).add(min(verify_s, seconds) / B)
-        elif drafted is not None:
+            bare = max(seconds - proposer_seconds, MIN_SECONDS)
+            self.bare.setdefault(c, Decayed(self.keep_cost)).add(bare / B)
+        else:
             self.seen.setdefault((c, gamma), Decayed(self.keep_cost)).add(per_seq)
             k = self.keep_cost
             self.line[c] = [k * a + b for a, b in zip(self.line.get(c, (0.0,) * 5),

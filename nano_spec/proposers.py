@@ -1,41 +1,43 @@
-"""Draft proposers: where the γ tokens that a step verifies come from.
+"""Draft proposers: where the γ tokens that a step verifies come from (docs/DESIGN.md §4).
 
 A proposer is any object with
 
-    num_drafts                                            γ_max, the most drafts a step asks for
-    first(model, cache, seq, hidden, first, sampling, uniforms, gamma) -> Drafts
-        γ drafts for a newly admitted sequence; hidden (T, D) are its prompt rows, first (1,) its first token
-    next(model, cache, seqs, step, verdict, uniforms, gamma) -> Drafts
-        γ drafts after a verify, for the sequences seqs (row i of step and verdict is seqs[i])
+    max_drafts                         γ_max, the most drafts a step asks for
+    admit(seq, hidden, first)          a new sequence: hidden (T, D) its final-normed prompt rows, first (1,)
+                                       its first token
+    draft(seqs, gamma, uniforms)       -> Drafts: γ drafts per sequence, at the start of a step
+    catch_up(seqs, rows, na)           after the accept rule: the step's VerifiedRows and na (B,) accepted drafts
 
-It returns its drafts and never writes engine state; `uniforms` (R, γ) is its own
-random draw (None when every row is greedy). γ <= γ_max is fixed or chosen per step
-(planner.py); it may be 0, and a proposer with state (the MTP head's KV rows) must
-still advance it then. A sequence with a grammar carries its `constraint`
-(nano_spec/grammar.py): drafts the grammar refuses are only ever rejected, and a
-sampled draft's q must be the masked distribution it was drawn from (DESIGN §11).
-`LLM(proposer=...)` takes a name or such an object.
+It keeps its own state, indexed by `seq.slot` (the MTP head keeps its KV rows and the
+row that draft 1 grows from), and never writes the engine's. `uniforms` (B, γ) is its
+random draw, None when every row is greedy. γ <= γ_max is fixed or chosen per step
+(planner.py); it may be 0, and a proposer with state still catches up then. A sequence
+with a grammar carries its `constraint` (grammar.py): drafts the grammar refuses are
+only ever rejected, and a sampled draft's q must be the masked distribution it was
+drawn from (DESIGN §11). `LLM(proposer=...)` takes a name or such an object.
 
 `none`  plain decoding (γ = 0).
 `ngram` prompt lookup: the continuation of the latest earlier occurrence of the
         last n tokens (n = max_n .. 1); works with any checkpoint.
-`mtp`   the checkpoint's MTP head (docs/DESIGN.md §2, §4): catch-up over the verified
-        rows, the output at the last accepted row gives draft 1, γ-1 recursive steps the rest.
+`mtp`   the checkpoint's MTP head (DESIGN §2): catch-up over the verified rows; the
+        output at the last accepted row gives draft 1, γ-1 recursive steps the rest.
 """
 from dataclasses import dataclass
 
 import torch
 
+from nano_spec.cache import SlotIds
 from nano_spec.config import is_int
 from nano_spec.grammar import DraftMasks
+from nano_spec.sampling import BatchSampling, SamplingParams
 
 
 @dataclass(frozen=True)
 class Drafts:
-    """What a proposer returns for R sequences."""
-    tokens: torch.Tensor        # (R, γ) long; rows with fewer drafts are padded with 0
-    num: torch.Tensor           # (R,) long, the real drafts of each row
-    probs: torch.Tensor | None  # (R, γ, V) the q each draft was drawn from; None: deterministic (one-hot q)
+    """What a proposer returns for B sequences."""
+    tokens: torch.Tensor        # (B, γ) long, every id in [0, V); rows with fewer drafts are padded (with 0)
+    nd: torch.Tensor            # (B,) long, the real drafts of each row
+    probs: torch.Tensor | None  # (B, γ, V) the q each draft was drawn from; None: deterministic (one-hot q)
 
     @classmethod
     def from_lists(cls, lists: list, gamma: int, device) -> "Drafts":
@@ -45,93 +47,152 @@ class Drafts:
                    torch.tensor([len(d) for d in lists], dtype=torch.long, device=device), None)
 
 
-def ngram_lookup(tokens: list, num_drafts: int, max_n: int = 3) -> list:
-    """Up to γ tokens that followed the latest earlier occurrence of the longest matching suffix."""
+@dataclass(frozen=True)
+class VerifiedRows:
+    """One verify's rows, for a proposer's catch-up. Row j of sequence b sits at position seq_lens[b] + j."""
+    slots: torch.Tensor     # (B,)
+    seq_lens: torch.Tensor  # (B,) tokens in the caches before the step
+    tokens: torch.Tensor    # (B, K) the token emitted after each row (valid for j <= na)
+    hidden: torch.Tensor    # (B, K, D) final-normed hidden of each row
+
+
+def ngram_lookup(tokens: list, gamma: int, max_n: int = 3) -> list:
+    """Up to γ tokens that followed the latest earlier occurrence of the longest matching suffix: the plain scan,
+    for the reference loop (NgramProposer finds the same through its index)."""
     L = len(tokens)
     for n in range(min(max_n, L - 1), 0, -1):
         tail = tokens[L - n :]
         for start in range(L - n - 1, -1, -1):  # latest first; the suffix itself is excluded
             if tokens[start : start + n] == tail:
-                return tokens[start + n : start + n + num_drafts]
+                return tokens[start + n : start + n + gamma]
     return []
 
 
 class NoProposer:
-    num_drafts = 0
+    max_drafts = 0
+
+    def admit(self, seq, hidden, first):
+        pass
+
+    def draft(self, seqs, gamma, uniforms) -> Drafts:
+        return Drafts.from_lists([[] for _ in seqs], 0, "cpu")
+
+    def catch_up(self, seqs, rows, na):
+        pass
 
 
-class NgramProposer:
-    def __init__(self, num_drafts: int, max_n: int = 3):
-        self.num_drafts, self.max_n = num_drafts, max_n
+class NgramProposer(NoProposer):
+    """Prompt lookup over an index per slot: n-gram -> the position after its latest occurrence, extended by the
+    tokens a sequence gained since its last draft, so a lookup costs O(new tokens), not O(context)."""
 
-    def first(self, model, cache, seq, hidden, first, sampling, uniforms, gamma) -> Drafts:
-        return self.next(model, cache, [seq], None, None, uniforms, gamma)
+    def __init__(self, max_drafts: int, device, max_n: int = 3):
+        self.max_drafts, self.device, self.max_n = max_drafts, device, max_n
+        self.index = {}  # slot -> (tokens indexed, {n-gram tuple: position after its latest occurrence})
 
-    def next(self, model, cache, seqs, step, verdict, uniforms, gamma) -> Drafts:
-        found = [ngram_lookup(s.tokens, gamma, self.max_n) for s in seqs]
+    def admit(self, seq, hidden, first):
+        self.index[seq.slot] = (0, {})
+
+    def draft(self, seqs, gamma, uniforms) -> Drafts:
+        found = [self.lookup(s, gamma) for s in seqs]
         found = [d if s.constraint is None else d[: s.constraint.valid_prefix(d)] for d, s in zip(found, seqs)]
-        return Drafts.from_lists(found, gamma, next(model.parameters()).device)
+        return Drafts.from_lists(found, gamma, self.device)
+
+    def lookup(self, seq, gamma: int) -> list:
+        """ngram_lookup(seq.tokens, γ, max_n), from the index."""
+        tokens, L = seq.tokens, len(seq.tokens)
+        done, table = self.index.get(seq.slot, (0, {}))
+        for end in range(max(done, 1), L):  # n-grams ending before the last token: the suffix itself is excluded
+            for n in range(1, min(self.max_n, end) + 1):
+                table[tuple(tokens[end - n : end])] = end
+        self.index[seq.slot] = (max(done, L), table)
+        if not gamma:
+            return []
+        for n in range(min(self.max_n, L - 1), 0, -1):
+            start = table.get(tuple(tokens[L - n :]))
+            if start is not None:
+                return tokens[start : start + gamma]
+        return []
 
 
 class MTPProposer:
-    def __init__(self, num_drafts: int):
-        self.num_drafts = num_drafts
+    """The checkpoint's MTP head. Its state per slot: the KV rows of its attention layer, and `seed`, its output
+    at the last accepted position, which draft 1 is read from (DESIGN §4)."""
 
-    def first(self, model, cache, seq, hidden, first, sampling, uniforms, gamma) -> Drafts:
-        """Catch-up over the prompt rows 0..T-1 (next tokens x_1..x_{T-1}, v), then draft."""
-        T, device = hidden.shape[0], hidden.device
-        next_ids = torch.cat([torch.tensor(seq.tokens[1:T], dtype=torch.long, device=device), first])  # (T,)
-        o = model.mtp_prefill(next_ids, hidden, seq.slot, cache)  # (T, D)
-        slots = torch.tensor([seq.slot], device=device)
-        pos = torch.tensor([T], device=device)
-        return self._draft(model, cache, [seq], slots, o[-1:], pos, sampling, uniforms, gamma, kv_len=T + gamma)
+    def __init__(self, model, max_drafts: int, num_slots: int, max_len: int):
+        self.model, self.max_drafts = model, max_drafts
+        cfg, p = model.cfg, next(model.parameters())
+        self.k = torch.zeros(num_slots, max_len, cfg.num_key_value_heads, cfg.head_dim, device=p.device, dtype=p.dtype)
+        self.v = torch.zeros_like(self.k)                                    # (S, L, Hkv, Dh)
+        self.seed = torch.zeros(num_slots, cfg.hidden_size, device=p.device, dtype=p.dtype)  # (S, D)
+        self.pos = torch.zeros(num_slots, dtype=torch.long, device=p.device)  # (S,) the position draft 1 is for
+        self.sampling = BatchSampling.of([SamplingParams()] * num_slots, p.device)  # (S,) each request's settings
+        self.slot_ids = SlotIds(p.device)
 
-    def next(self, model, cache, seqs, step, verdict, uniforms, gamma) -> Drafts:
-        """Catch-up over the K verified rows at MTP positions seq_len.., next tokens = the emitted row;
-        rows past na are computed but lie beyond the new frontier and are overwritten later."""
-        o = model.mtp_step(verdict.emitted, step.hidden, step.slots, step.seq_lens, cache, step.kv_len)  # (R, K, D)
-        seed = model.ops.gather_rows(o, verdict.na)  # (R, D): the row of the last accepted position
-        return self._draft(model, cache, seqs, step.slots, seed, step.seq_lens + verdict.na + 1, step.sampling,
-                           uniforms, gamma, step.kv_len)
+    @staticmethod
+    def state_bytes(cfg, num_slots: int, max_len: int, dtype) -> int:
+        """Bytes of the KV rows, before anything is allocated."""
+        return 2 * num_slots * max_len * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
 
-    def _draft(self, model, cache, seqs, slots, o, pos, sampling, uniforms, gamma, kv_len) -> Drafts:
-        """o (R, D): the MTP output at position pos-1 -> γ drafts.
+    def admit(self, seq, hidden, first):
+        """Catch-up over the prompt rows 0..T-1, whose next tokens are x_1..x_{T-1} and the first token."""
+        T = hidden.shape[0]
+        next_ids = torch.cat([torch.tensor(seq.tokens[1:T], dtype=torch.long, device=hidden.device), first])  # (T,)
+        o = self.model.mtp_prefill(next_ids, hidden, seq.slot, self.k, self.v)  # (T, D)
+        self.seed[seq.slot], self.pos[seq.slot] = o[-1], T
+        self.sampling.write(seq.slot, BatchSampling.of([seq.params], hidden.device))
 
-        Step i > 1 feeds the previous draft and the previous MTP output at position pos + i - 2.
-        A constrained row picks draft i under the mask of its grammar after drafts 1..i-1.
-        """
-        if not gamma:  # the catch-up above kept the MTP's KV rows in step; no drafts this time
-            return Drafts(slots.new_zeros(len(slots), 0), slots.new_zeros(len(slots)), None)
-        drafts, probs = [], []
+    def catch_up(self, seqs, rows: VerifiedRows, na):
+        """The K verified rows at MTP positions seq_len..; rows past na are computed but lie beyond the new
+        frontier and are overwritten later."""
+        kv_len = max(s.seq_len for s in seqs) + rows.tokens.shape[1]
+        o = self.model.mtp_step(rows.tokens, rows.hidden, rows.slots, rows.seq_lens, self.k, self.v, kv_len)
+        self.seed[rows.slots] = self.model.ops.gather_rows(o, na)  # (B, D): the row of the last accepted position
+        self.pos[rows.slots] = rows.seq_lens + na + 1
+
+    def draft(self, seqs, gamma, uniforms) -> Drafts:
+        """Draft 1 from the seed; step i > 1 feeds draft i-1 and the previous MTP output at position pos + i - 2.
+        A constrained row picks draft i under its grammar's mask after drafts 1..i-1."""
+        slots = self.slot_ids(seqs)
+        if not gamma:
+            return Drafts(slots.new_zeros(len(seqs), 0), slots.new_zeros(len(seqs)), None)
+        sampling = self.sampling.select(slots, all(s.params.greedy for s in seqs))
+        o, pos, kv_len = self.seed[slots], self.pos[slots], max(s.seq_len for s in seqs) + gamma
+        tokens, probs = [], []
         masks = DraftMasks([s.constraint for s in seqs], gamma, slots.device)
         try:
             for i in range(gamma):
-                tok, q = sampling.pick(model.mtp_logits(o), None if uniforms is None else uniforms[:, i], masks.mask())
-                drafts.append(tok)
+                tok, q = sampling.pick(self.model.mtp_logits(o), None if uniforms is None else uniforms[:, i],
+                                       masks.mask())
+                tokens.append(tok)
                 probs.append(q)
                 if i + 1 < gamma:
                     masks.push(tok, i)
-                    o = model.mtp_step(tok[:, None], o[:, None], slots, pos + i, cache, kv_len)[:, 0]
+                    o = self.model.mtp_step(tok[:, None], o[:, None], slots, pos + i, self.k, self.v, kv_len)[:, 0]
         finally:
             masks.close()
-        num = torch.tensor(masks.num, device=slots.device) if masks.on else torch.full_like(slots, gamma)
-        return Drafts(torch.stack(drafts, dim=1), num, None if sampling.all_greedy else torch.stack(probs, dim=1))
+        nd = torch.tensor(masks.num, device=slots.device) if masks.on else torch.full_like(slots, gamma)
+        return Drafts(torch.stack(tokens, dim=1), nd, None if sampling.all_greedy else torch.stack(probs, dim=1))
 
 
 AUTO_MAX_DRAFTS = 4  # γ_max under num_drafts="auto"; each extra draft also costs stash memory per slot
+METHODS = ("admit", "draft", "catch_up")
 
 
-def make_proposer(proposer, num_drafts, has_mtp: bool):
-    """proposer: a name in {auto, mtp, ngram, none} (auto = mtp when the checkpoint has an MTP head, else
-    ngram), or an object with num_drafts, first() and next() (see the module docstring).
+def resolve_proposer(proposer, num_drafts, has_mtp: bool) -> tuple:
+    """Check the settings before anything is loaded -> (a name in {mtp, ngram, none} or the caller's object, γ_max).
+
+    proposer: a name in {auto, mtp, ngram, none} (auto = mtp when the checkpoint has an MTP head, else ngram),
+    or an object with max_drafts and the methods of the module docstring.
     num_drafts: γ, or "auto" (γ_max = AUTO_MAX_DRAFTS; the planner picks γ per step)."""
     if not isinstance(proposer, str):
-        n = getattr(proposer, "num_drafts", None)
+        n = getattr(proposer, "max_drafts", None)
         if not is_int(n, 0, 16):
-            raise ValueError(f"proposer: {type(proposer).__name__} needs an integer num_drafts in [0, 16], got {n!r}")
-        if n and not all(callable(getattr(proposer, m, None)) for m in ("first", "next")):
-            raise ValueError(f"proposer: {type(proposer).__name__} needs methods first() and next()")
-        return proposer
+            raise ValueError(f"proposer: {type(proposer).__name__} needs an integer max_drafts in [0, 16], got {n!r}")
+        missing = [m for m in METHODS if not callable(getattr(proposer, m, None))]
+        if missing:
+            raise ValueError(f"proposer: {type(proposer).__name__} needs methods {', '.join(METHODS)}; "
+                             f"missing {', '.join(missing)}")
+        return proposer, n
     if proposer not in ("auto", "mtp", "ngram", "none"):
         raise ValueError(f"proposer: {proposer!r} is not one of auto, mtp, ngram, none")
     if num_drafts == "auto":
@@ -139,12 +200,19 @@ def make_proposer(proposer, num_drafts, has_mtp: bool):
     if not is_int(num_drafts, 0, 16):
         raise ValueError(f"num_drafts: {num_drafts!r} must be 'auto' or an integer in [0, 16]")
     if proposer == "none" or num_drafts == 0:
-        return NoProposer()
+        return "none", 0
     if proposer == "auto":
         proposer = "mtp" if has_mtp else "ngram"
-    if proposer == "mtp":
-        if not has_mtp:
-            raise ValueError("proposer: 'mtp' needs a checkpoint with an MTP head (num_nextn_predict_layers: 1); "
-                             "use 'ngram'")
-        return MTPProposer(num_drafts)
-    return NgramProposer(num_drafts)
+    if proposer == "mtp" and not has_mtp:
+        raise ValueError("proposer: 'mtp' needs a checkpoint with an MTP head (num_nextn_predict_layers: 1); "
+                         "use 'ngram'")
+    return proposer, num_drafts
+
+
+def make_proposer(kind, max_drafts: int, model, num_slots: int, max_len: int):
+    """The proposer `resolve_proposer` chose, built for a loaded model (an object is used as it is)."""
+    if not isinstance(kind, str):
+        return kind
+    if kind == "mtp":
+        return MTPProposer(model, max_drafts, num_slots, max_len)
+    return NgramProposer(max_drafts, next(model.parameters()).device) if kind == "ngram" else NoProposer()

@@ -5,7 +5,7 @@ over the whole sequence. Drafts come from the MTP head or n-gram lookup; the acc
 rule is greedy, or the lossless rejection rule when sampling (§5). The engine must
 emit exactly these tokens; tests/test_reference.py holds it to that. Random numbers
 are drawn in the engine's order: 1 for the first token, then per step γ for the
-drafts and K = γ + 1 for the verdict.
+drafts and K = γ + 1 for the accept rule.
 """
 import torch
 
@@ -29,7 +29,7 @@ def draw(p, u) -> int:
 
 
 @torch.no_grad()
-def speculative_generate(model, prompt: list, max_new_tokens: int, num_drafts: int = 3, drafter: str = "mtp",
+def speculative_generate(model, prompt: list, max_new_tokens: int, gamma: int = 3, proposer: str = "mtp",
                          temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
                          eos_ids=()) -> tuple:
     """-> (generated tokens, origin of each: "prefill", "draft", "correction" or "bonus")."""
@@ -44,12 +44,12 @@ def speculative_generate(model, prompt: list, max_new_tokens: int, num_drafts: i
         return token in eos_ids or len(out) >= max_new_tokens
 
     def propose(u):  # -> γ drafts and the distribution each was drawn from
-        if drafter == "ngram":
-            drafts = ngram_lookup(tokens, num_drafts)
+        if proposer == "ngram":
+            drafts = ngram_lookup(tokens, gamma)
             return drafts, [torch.nn.functional.one_hot(torch.tensor(d), model.cfg.vocab_size) for d in drafts]
         x = torch.tensor(tokens)[None]
         h, nxt, drafts, qs = model.hidden(x[:, :-1]), x[:, 1:], [], []  # h_p and x_{p+1}, p = 0..n-2
-        for i in range(num_drafts):
+        for i in range(gamma):
             o = model.mtp_hidden(nxt, h)[:, -1:]  # (1, 1, D): predicts the token after nxt[-1]
             logits = model.mtp_logits(o[0, 0])
             drafts.append(pick(logits, None if greedy else u[i]))
@@ -61,8 +61,8 @@ def speculative_generate(model, prompt: list, max_new_tokens: int, num_drafts: i
     if emit(pick(model(torch.tensor(tokens)[None])[0, -1], None if greedy else u[0]), "prefill"):
         return out, origins
     while True:
-        drafts, qs = propose(rand(num_drafts) if num_drafts else None)
-        u = rand(num_drafts + 1)
+        drafts, qs = propose(rand(gamma) if gamma else None)
+        u = rand(gamma + 1)
         logits = model(torch.tensor(tokens + drafts)[None])[0, len(tokens) - 1 :]  # (nd + 1, V)
         for j, d in enumerate(drafts):  # accept while the target agrees (or with probability min(1, p/q))
             ok = d == int(logits[j].argmax()) if greedy else u[j] * qs[j][d] < dist(logits[j])[d]

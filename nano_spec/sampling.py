@@ -1,7 +1,7 @@
-"""Sampling parameters, token picks and the verdict (docs/DESIGN.md §5).
+"""Sampling parameters, token picks and the accept rule (docs/DESIGN.md §5).
 
-Greedy rows (temperature 0) use verdict_greedy; sampled rows use the lossless
-rejection rule of verdict_sample. Both stay on the device: the verdict returns
+Greedy rows (temperature 0) use the verdict_greedy kernel; sampled rows use the lossless
+rejection rule of verdict_sample. Both stay on the device: the accept rule returns
 tensors, and the runner copies them to the host once per step.
 """
 import math
@@ -114,17 +114,18 @@ def masked(logits, bitmask):
     return logits if bitmask is None else logits.masked_fill(~unpack_bitmask(bitmask, logits.shape[-1]), float("-inf"))
 
 
-def verdict(ops, logits, drafts, num_drafts, sampling: BatchSampling, draft_probs=None, uniforms=None, bitmask=None):
-    """Judge K = drafts + 1 verified rows per sequence.
+def accept_rule(ops, logits, drafts, nd, sampling: BatchSampling, q=None, uniforms=None, bitmask=None):
+    """Judge K = γ + 1 verified rows per sequence.
 
-    logits (B, K, V), drafts (B, K-1), num_drafts (B,), bitmask (B, K, W) or None -> (na (B,), emitted (B, K))
-    where emitted[b, j] is the token emitted at row j for j <= na[b] (accepted drafts, then the target's pick).
+    logits (B, K, V), drafts (B, γ), nd (B,) real drafts, q (B, γ, V) the drafts' distributions (sampled
+    rows), uniforms (B, K), bitmask (B, K, W) or None -> (na (B,), emitted (B, K)) where emitted[b, j] is the
+    token emitted at row j for j <= na[b] (accepted drafts, then the target's pick).
     """
-    picks, na = ops.verdict_greedy(logits, drafts, num_drafts, bitmask)  # the mask is applied in the pass
+    picks, na = ops.verdict_greedy(logits, drafts, nd, bitmask)  # the mask is applied in the pass
     if sampling.all_greedy:
         return na, picks
     # the target p is the masked one; the drafts' q were masked alike
-    na_s, tok_s = ops.verdict_sample(masked(logits, bitmask), draft_probs, drafts, num_drafts, uniforms,
+    na_s, tok_s = ops.verdict_sample(masked(logits, bitmask), q, drafts, nd, uniforms,
                                      sampling.temperature, sampling.top_k, sampling.top_p)
     j = torch.arange(logits.shape[1], device=logits.device)
     padded = torch.cat([drafts, drafts.new_zeros(drafts.shape[0], 1)], dim=1)  # (B, K)

@@ -1,17 +1,16 @@
 """The scheduler loop: requests in, tokens out, speculative decoding in between.
 
     step() = schedule -> run -> postprocess
-      schedule     admit waiting requests into free slots: prefill, first token, first drafts
-      run          verify every live sequence in one batch ([last token | drafts], K rows) and judge it
-      postprocess  apply each verdict (docs/DESIGN.md §4): emit accepted drafts then the target's pick,
-                   stopping at the first finishing token; commit the Mamba states to the accepted
-                   prefix; propose the next drafts; release finished slots
+      schedule     admit waiting requests into free slots: prefill, first token, the proposer's catch-up
+      run          one speculative step of every live sequence (ModelRunner.step, docs/DESIGN.md §4)
+      postprocess  emit each sequence's accepted drafts then the target's pick, stopping at the first
+                   finishing token; release finished slots
 
-Everything here is host-side: lists of ints and Sequence objects. Tensors stay in
-the runner; `Step` and `Verdict` pass through here as opaque handles.
+Everything here is host-side: lists of ints and Sequence objects. No tensor passes through.
+One fault policy: a row the runner reports bad (non-finite logits, drafts its proposer got
+wrong) ends that sequence; anything a runner call raises ends every sequence of that call.
 """
 from collections import deque
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from nano_spec.sampling import SamplingParams
@@ -70,17 +69,16 @@ class StepReport:
     """What one engine step did, for --trace and on_step callbacks."""
     index: int
     admitted: list = field(default_factory=list)   # (seq_id, first token)
-    failed: list = field(default_factory=list)     # seq_ids whose admission failed
+    failed: list = field(default_factory=list)     # seq_ids a failed runner call ended (admission or step)
     rows: list = field(default_factory=list)       # StepRow per verified sequence
     phase_seconds: dict = field(default_factory=dict)
 
 
 class Scheduler:
-    def __init__(self, runner, tokenizer, max_batch: int, max_seq_len: int, telemetry, planner=None):
-        self.runner, self.tok, self.tel, self.planner = runner, tokenizer, telemetry, planner
+    def __init__(self, runner, tokenizer, max_seq_len: int, planner=None):
+        self.runner, self.tok, self.tel, self.planner = runner, tokenizer, runner.tel, planner
         self.max_seq_len = max_seq_len
-        self.gamma = runner.gamma  # drafts of the coming verify: fixed, or the planner's choice
-        self.free_slots = list(range(max_batch))
+        self.free_slots = list(range(runner.cache.num_slots))
         self.waiting = deque()
         self.running = []
         self.next_id = 0
@@ -98,114 +96,77 @@ class Scheduler:
         if seq.finished:
             return
         seq.finish_reason = "cancelled"
-        for queue in (self.waiting, self.running):
-            if seq in queue:
-                queue.remove(seq)
-        self._release(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        self._release([seq])
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def step(self) -> StepReport:
-        """One engine step: admit what fits, then one speculative step for every live sequence."""
+    def step(self, focus: set | None = None) -> StepReport:
+        """One engine step: admit what fits, then one speculative step of every live sequence. focus: the ids
+        a caller waits for; the other sequences keep their place and slot and wait, unless none of focus can
+        run (every slot is held by others): then all run, so that slots come free."""
         report = StepReport(self.steps)
         self.steps += 1
         self.tel.begin_step()
-        self._schedule(report)
-        if self.running:
-            batch = list(self.running)
-            with self._ends_on_interrupt(batch):
-                self._run_batch(batch, report)
+        wanted = lambda s: focus is None or s.id in focus  # noqa: E731
+        while self.free_slots and any(map(wanted, self.waiting)):            # schedule
+            seq = next(filter(wanted, self.waiting))
+            self.waiting.remove(seq)
+            self._admit(seq, report)
+        batch = [s for s in self.running if wanted(s)] or ([] if report.admitted else list(self.running))
+        if batch:
+            gamma = self.planner.choose(len(batch)) if self.planner else self.runner.max_drafts
+            t0, spent = self.tel.clock(), self.tel.proposer_seconds()
+            results = self._call(batch, "step", self.runner.step, batch, gamma)  # run
+            if results is None:
+                report.failed += [s.id for s in batch]
+            for seq, r in zip(batch, results or []):                         # postprocess
+                report.rows.append(self._apply(seq, r))
+            if self.planner and results:
+                self.planner.observe_step(len(batch), gamma, self.tel.clock() - t0, self.tel.proposer_seconds() - spent,
+                                          [(r.na, len(r.drafts)) for r in results if r.error is None])
+            self._release(batch)
         report.phase_seconds = dict(self.tel.step_seconds)
         return report
 
-    # ---- schedule -------------------------------------------------------------------
-    def _schedule(self, report: StepReport):
-        if self.planner and not self.running and self.waiting:  # a new batch: no drafts are pending yet
-            self.gamma = self.planner.choose(min(len(self.waiting), len(self.free_slots)))
-        while self.waiting and self.free_slots:
-            seq = self.waiting.popleft()
-            seq.slot = self.free_slots.pop(0)
-            with self._ends_on_interrupt([seq]):
-                self._admit(seq, report)
-
     def _admit(self, seq: Sequence, report: StepReport):
-        try:
-            with self.tel.phase("prefill"):
-                adm = self.runner.prefill(seq)
-        except Exception as e:  # a fault in one admission ends that request only
-            seq.error, adm = f"prefill: {type(e).__name__}: {e}", None
-        if adm is None or not adm.result.ok:
-            seq.error, seq.finish_reason = seq.error or "non-finite logits", "error"
+        seq.slot = self.free_slots.pop(0)
+        self.running.append(seq)
+        r = self._call([seq], "prefill", self.runner.admit, seq)
+        if r is None:
+            report.failed.append(seq.id)
+        elif r.error:
+            self._end(seq, r.error)
             report.failed.append(seq.id)
         else:
-            r = adm.result
             self._emit(seq, r.tokens[0], r.logprobs[0] if r.logprobs else None, PREFILL)
             report.admitted.append((seq.id, r.tokens[0]))
-        if seq.finished:
-            self._release(seq)
-        else:
-            with self.tel.phase("propose"):
-                if not self.runner.propose_first(seq, adm, self.gamma):
-                    self.tel.propose_failures += 1
-            self.running.append(seq)
+        self._release([seq])
 
-    @contextmanager
-    def _ends_on_interrupt(self, seqs: list):
-        """If a step is interrupted (KeyboardInterrupt, or an exception no sequence owns), the sequences
-        it was updating have caches in an unknown state: end them with an error and free their slots."""
+    def _call(self, seqs: list, what: str, fn, *args):
+        """fn(*args), a runner call on seqs. Whatever it raises belongs to no single row, and the caches of all
+        of seqs are in an unknown state: each ends with an error and frees its slot. An interrupt then goes on
+        up; an exception stays here (None is returned), so the engine serves the other requests."""
         try:
-            yield
+            return fn(*args)
         except BaseException as e:
+            interrupt = not isinstance(e, Exception)
             for seq in seqs:
-                if not seq.finished:
-                    seq.error, seq.finish_reason = f"interrupted: {type(e).__name__} during an engine step", "error"
-                self._release(seq)
-            self.running = [s for s in self.running if not s.finished]
-            raise
+                self._end(seq, f"interrupted: {type(e).__name__} during {what}" if interrupt else
+                          f"{what}: {type(e).__name__}: {' '.join(str(e).split())}")
+            self._release(seqs)
+            if interrupt:
+                raise
+            return None
 
-    # ---- run + postprocess ----------------------------------------------------------------
-    def _run_batch(self, batch: list, report: StepReport):
-        gamma = self.gamma
-        with self.tel.phase("verify"):
-            step = self.runner.verify(batch, gamma)
-        bitmask = None
-        if any(s.constraint is not None for s in batch):  # host work only for batches with a grammar
-            with self.tel.phase("mask"):
-                bitmask = self.runner.bitmask(step, batch)
-        with self.tel.phase("verdict"):
-            verdict = self.runner.verdict(step, batch, bitmask)
-        active = []
-        for seq, r in zip(batch, verdict.rows):
-            emitted = self._apply(seq, r) if r.ok else []
-            if not r.ok:  # non-finite logits: this sequence ends, the others go on
-                seq.error, seq.finish_reason = "non-finite logits", "error"
-            report.rows.append(StepRow(seq.id, r.drafts, r.na, emitted, seq.finish_reason))
-            active.append(not seq.finished)
-        with self.tel.phase("commit"):
-            ok, errors = self.runner.commit(step, verdict, active)
-        for seq, a, good, err in zip(batch, active, ok, errors):
-            if a and not good:  # a failed commit leaves a state nobody can trust: that sequence ends
-                seq.error, seq.finish_reason = err, "error"
-        active = [a and good for a, good in zip(active, ok)]
-        if self.planner:  # this step's cost and acceptance in, the next step's γ out
-            secs = sum(self.tel.step_seconds.get(p, 0.0) for p in ("verify", "mask", "verdict", "commit"))
-            self.planner.observe_step(len(batch), gamma, secs, [(r.na, len(r.drafts)) for r in verdict.rows if r.ok])
-            self.gamma = self.planner.choose(sum(active))
-        if any(active):
-            before = self.tel.step_seconds.get("propose", 0.0)
-            with self.tel.phase("propose"):
-                ok = self.runner.propose(batch, step, verdict, active, self.gamma)
-            self.tel.propose_failures += sum(a and not good for a, good in zip(active, ok))
-            if self.planner:
-                self.planner.observe_propose(self.gamma, self.tel.step_seconds["propose"] - before)
-        for seq in batch:
-            if seq.finished:
-                self._release(seq)
-        self.running = [s for s in self.running if not s.finished]
-
-    def _apply(self, seq: Sequence, r) -> list:
+    def _apply(self, seq: Sequence, r) -> StepRow:
         """Emit drafts[0..na) then v[na], one at a time, until one finishes the sequence."""
+        if r.error:
+            self._end(seq, r.error)
+            self.tel.propose_failures += r.error.startswith("proposer")
+            return StepRow(seq.id, r.drafts, r.na, [], seq.finish_reason)
         seq_len, before = seq.seq_len, len(seq.tokens)
         last = BONUS if r.na == len(r.drafts) else CORRECTION
         for j, token in enumerate(r.tokens):
@@ -215,7 +176,11 @@ class Scheduler:
         seq.verify_steps += 1
         seq.verified_tokens += r.na + 1
         self.tel.record_verify(r.na, len(seq.tokens) - before, seq_len, seq.constraint is not None)
-        return seq.tokens[before:]
+        return StepRow(seq.id, r.drafts, r.na, seq.tokens[before:], seq.finish_reason)
+
+    def _end(self, seq: Sequence, error: str):
+        if not seq.finished:
+            seq.error, seq.finish_reason = error, "error"
 
     def _emit(self, seq: Sequence, token: int, logprob, origin: str):
         seq.tokens.append(token)
@@ -228,9 +193,9 @@ class Scheduler:
             seq.error, seq.finish_reason = f"grammar: {c.error}", "error"
         elif token in p.stop_token_ids or (token in self.tok.eos_ids and not p.ignore_eos):
             seq.finish_reason = "stop"
-        elif c is not None and c.stopped:  # the grammar is complete: only EOS could follow
+        elif new_text and p.stop and self._cut_at_stop(seq, len(new_text)):  # before the grammar's end: cut
             seq.finish_reason = "stop"
-        elif new_text and p.stop and self._cut_at_stop(seq, len(new_text)):
+        elif c is not None and c.stopped:  # the grammar is complete: only EOS could follow
             seq.finish_reason = "stop"
         elif len(seq.generated) >= p.max_new_tokens or len(seq.tokens) >= self.max_seq_len:
             seq.finish_reason = "length"
@@ -245,10 +210,13 @@ class Scheduler:
             seq.text = text[: min(hits)]
         return bool(hits)
 
-    def _release(self, seq: Sequence):
-        if seq.slot is not None:
-            self.free_slots.append(seq.slot)
-            seq.slot = None
+    def _release(self, seqs: list):
+        """Free the slots of the finished sequences among seqs."""
+        for seq in seqs:
+            if seq.finished and seq.slot is not None:
+                self.free_slots.append(seq.slot)
+                seq.slot = None
+        self.running = [s for s in self.running if not s.finished]
 
     def output_text(self, seq: Sequence) -> str:
         """The whole text once finished; while running, only complete characters."""

@@ -9,13 +9,15 @@ emit fewer than na + 1 tokens; `emitted` counts what was emitted. `constrained` 
 tau and accept_at of the requests with a grammar alone.
 
 On CUDA the phases are host times: queued GPU work is charged to the phase that
-waits for it (the verdict, which copies the accept counts to the host).
+waits for it (copy, the step's one device-to-host copy).
 """
 import time
 from collections import defaultdict
 from contextlib import contextmanager
 
-PHASES = ("prefill", "propose", "verify", "mask", "verdict", "commit")  # mask: the verify's grammar masks
+# mask: the verify's grammar masks; catch_up: the proposer's, after a verify or over a prompt; copy: the step's
+# one device-to-host copy
+PHASES = ("prefill", "propose", "verify", "mask", "verdict", "commit", "catch_up", "copy")
 SEQ_LEN_BUCKETS = (0, 128, 512, 2048, 8192)  # lower edges
 HIST_EDGES_MS = (0.1, 0.3, 1, 3, 10, 30, 100, 300, 1000)  # upper edges; one overflow bucket
 
@@ -27,8 +29,8 @@ def bucket_label(seq_len: int) -> str:
 
 
 class Telemetry:
-    def __init__(self, num_drafts: int, clock=time.perf_counter):
-        self.clock, self.num_drafts = clock, num_drafts
+    def __init__(self, max_drafts: int, clock=time.perf_counter):
+        self.clock, self.max_drafts = clock, max_drafts
         self.reset()
 
     def reset(self):
@@ -39,10 +41,10 @@ class Telemetry:
         self.verify_steps = 0                 # (sequence, verify) pairs
         self.verified = 0                     # Σ (na + 1)
         self.emitted = 0                      # tokens emitted by verify steps
-        self.accepted_gt = [0] * self.num_drafts  # steps with na > j
-        self.by_bucket = defaultdict(lambda: [0, [0] * self.num_drafts])  # bucket -> [steps, accepted_gt]
+        self.accepted_gt = [0] * self.max_drafts  # steps with na > j
+        self.by_bucket = defaultdict(lambda: [0, [0] * self.max_drafts])  # bucket -> [steps, accepted_gt]
         self.propose_failures = 0             # drafting faults; those sequences went on without drafts
-        self.constrained = [0, 0, [0] * self.num_drafts]  # requests with a grammar: steps, Σ (na + 1), na > j
+        self.constrained = [0, 0, [0] * self.max_drafts]  # requests with a grammar: steps, Σ (na + 1), na > j
 
     def begin_step(self):
         self.step_seconds = {}
@@ -61,6 +63,10 @@ class Telemetry:
         ms = seconds * 1e3
         self.phase_counts[name][next((i for i, e in enumerate(HIST_EDGES_MS) if ms <= e), len(HIST_EDGES_MS))] += 1
 
+    def proposer_seconds(self) -> float:
+        """Seconds spent in the proposer so far: drafting and catching up."""
+        return self.phase_seconds["propose"] + self.phase_seconds["catch_up"]
+
     def record_verify(self, na: int, emitted: int, seq_len: int, constrained: bool = False):
         """One sequence's verdict: na accepted drafts, of which `emitted` tokens were emitted."""
         self.verify_steps += 1
@@ -71,7 +77,7 @@ class Telemetry:
         if constrained:
             self.constrained[0] += 1
             self.constrained[1] += na + 1
-        for j in range(min(na, self.num_drafts)):
+        for j in range(min(na, self.max_drafts)):
             self.accepted_gt[j] += 1
             b[1][j] += 1
             if constrained:

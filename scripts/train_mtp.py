@@ -177,7 +177,7 @@ def mtp_unroll(model, next_ids, h, depth: int) -> list:
 
     for d in range(1, depth + 1):
         m = model._mtp_input(next_ids[:, d - 1:d - 1 + A], o)
-        o = model._stack(m, [model.mtp.layer], None, lambda i, layer, y: mix(d, y))[1]
+        o = model._stack(m, [model.mtp.layer], None, lambda i, layer, y: mix(d, y))
         outs.append(o)
     return outs
 

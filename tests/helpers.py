@@ -33,6 +33,12 @@ def tiny_config(**overrides):
     return ModelConfig.from_dict(d)
 
 
+def mtp_kv(cfg, num_slots: int, max_len: int, device="cpu"):
+    """The MTP head's KV rows (k, v), each (S, L, Hkv, Dh), as MTPProposer keeps them."""
+    k = torch.zeros(num_slots, max_len, cfg.num_key_value_heads, cfg.head_dim, device=device)
+    return k, torch.zeros_like(k)
+
+
 def tiny_model(seed: int = 0, backend: str = "torch", **overrides):
     from nano_spec.model import HybridLM
     from nano_spec.ops import Ops

@@ -190,7 +190,7 @@ def test_head_file_without_head_in_config_is_refused(ckpt):
 LOAD_PEAK = """
 import sys, torch
 from nano_spec.config import ModelConfig
-from nano_spec.llm import weight_bytes
+from nano_spec.capacity import weight_bytes
 from nano_spec.weights import load_model
 # LLM counts the weights on the meta device before loading; that also pays one-off library costs
 # (the kernel modules, torch's first Conv1d), which are code, not loading

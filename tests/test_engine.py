@@ -24,8 +24,8 @@ class OracleProposer:
     """Drafts the known greedy continuation, each token corrupted with probability p_wrong: every accept
     count 0..γ happens, so every commit path is exercised with a known right answer."""
 
-    def __init__(self, num_drafts, reference: dict, p_wrong=0.3, seed=0):
-        self.num_drafts, self.ref, self.p_wrong = num_drafts, reference, p_wrong
+    def __init__(self, max_drafts, reference: dict, p_wrong=0.3, seed=0):
+        self.max_drafts, self.ref, self.p_wrong = max_drafts, reference, p_wrong
         self.rng = random.Random(seed)
 
     def _drafts(self, seq, gamma):
@@ -33,11 +33,14 @@ class OracleProposer:
         cont = full[len(seq.tokens) : len(seq.tokens) + gamma]
         return [t if self.rng.random() > self.p_wrong else (t + 1) % 300 for t in cont]
 
-    def first(self, model, cache, seq, hidden, first, sampling, uniforms, gamma):
-        return self.next(model, cache, [seq], None, None, uniforms, gamma)
+    def admit(self, seq, hidden, first):
+        pass
 
-    def next(self, model, cache, seqs, step, verdict, uniforms, gamma):
+    def draft(self, seqs, gamma, uniforms):
         return Drafts.from_lists([self._drafts(s, gamma) for s in seqs], gamma, "cpu")
+
+    def catch_up(self, seqs, rows, na):
+        pass
 
 
 def run(ckpt, proposer="none", gamma=0, max_batch=3, prompts=PROMPTS, params=None, oracle=None, **kw):
@@ -95,7 +98,7 @@ def test_admission_mid_generation_changes_nothing(ckpt, plain):
 
 @torch.no_grad()
 def test_mtp_drafts_equal_nocache_recomputation(ckpt):
-    """After any step, the drafts the MTP proposer left equal a from-scratch MTP over the full sequence."""
+    """After any step, the drafts the MTP proposer makes equal a from-scratch MTP over the full sequence."""
     llm = LLM(ckpt, proposer="mtp", num_drafts=3, max_batch=2)
     model, params = llm.model, SamplingParams(max_new_tokens=40, ignore_eos=True)
     seqs = [llm.scheduler.add(llm.tokenizer.encode(p), params) for p in PROMPTS[:2]]
@@ -113,7 +116,7 @@ def test_mtp_drafts_equal_nocache_recomputation(ckpt):
                 d = model.mtp_logits(o[:, -1]).argmax(-1)
                 want.append(int(d))
                 H, NX = torch.cat([H, o[:, -1:]], 1), torch.cat([NX, d[None]], 1)
-            assert llm.runner.drafts[s.slot].tolist() == want
+            assert llm.proposer.draft([s], 3, None).tokens[0].tolist() == want
 
 
 def test_stop_token_inside_accepted_run(ckpt, plain):

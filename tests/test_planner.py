@@ -29,7 +29,7 @@ class ScriptedPlanner(DraftPlanner):
 def generate(ckpt, num_drafts, proposer, script=None, max_batch=2, params=None):
     llm = LLM(ckpt, proposer=proposer, num_drafts=num_drafts, max_batch=max_batch)
     if script is not None:
-        llm.scheduler.planner = llm.planner = ScriptedPlanner(llm.proposer.num_drafts, script)
+        llm.scheduler.planner = llm.planner = ScriptedPlanner(llm.proposer.max_drafts, script)
     params = params or SamplingParams(max_new_tokens=20, ignore_eos=True)
     return llm, [o.token_ids for o in llm.generate(PROMPTS, params)]
 
@@ -79,8 +79,7 @@ def feed(planner, B, cost, accept, steps, gamma_of=lambda i: i % 5, seed=0):
             while na < g and rng.random() < accept[na]:
                 na += 1
             results.append((na, g))
-        planner.observe_propose(g, 0.0)  # the drafting time is part of cost(g) here
-        planner.observe_step(B, g, cost(g), results)
+        planner.observe_step(B, g, cost(g), 0.0, results)
 
 
 @pytest.mark.parametrize("accept, slope", [((0.9, 0.85, 0.8, 0.8), 0.15), ((0.8, 0.6, 0.5, 0.4), 0.4),
@@ -115,8 +114,7 @@ def test_a_stall_does_not_poison_the_cost():
     p = DraftPlanner(4)
     feed(p, 1, lambda g: 1.0 + 0.3 * g, (0.8,) * 4, 50)
     before = p.step_cost(1, 2)
-    p.observe_propose(2, 0.0)
-    p.observe_step(1, 2, 1000.0, [(2, 2)])  # the machine stalled for a second
+    p.observe_step(1, 2, 1000.0, 0.0, [(2, 2)])  # the machine stalled for a second
     assert p.step_cost(1, 2) < 1.5 * before
 
 
@@ -130,7 +128,7 @@ def test_expected_tokens_is_one_plus_the_sum_of_products():
 def test_threads_rule_and_override(ckpt):
     import torch
 
-    from nano_spec.llm import SPLIT_WORK, TORCH_THREADS, default_threads
+    from nano_spec.capacity import SPLIT_WORK, TORCH_THREADS, default_threads
 
     llm = LLM(ckpt, max_batch=1)
     n = sum(p.numel() for p in llm.model.parameters())

@@ -14,7 +14,8 @@ import torch
 
 from helpers import assert_close, train_tiny_tokenizer
 from nano_spec.config import ModelConfig
-from nano_spec.llm import LLM, check_memory, default_max_seq_len, memory_parts, weight_bytes
+from nano_spec.capacity import check_memory, default_max_seq_len, memory_parts, weight_bytes
+from nano_spec.llm import LLM
 from nano_spec.sampling import SamplingParams
 from nano_spec.weights import load_model, stored_dtype
 

@@ -145,51 +145,66 @@ def test_non_finite_logits_end_only_that_sequence(ckpt, reference, monkeypatch):
     assert_idle(llm)
 
 
-@pytest.mark.parametrize("where", ["commit", "propose", "prefill"])
-def test_fault_in_one_sequence_ends_only_it(ckpt, reference, monkeypatch, where):
+@pytest.mark.parametrize("where, bad_id", [("proposer", -1), ("proposer", "V"), ("proposer", 10**9), ("prefill", None)],
+                         ids=["draft-id-minus-1", "draft-id-V", "draft-id-1e9", "prefill-raises"])
+def test_fault_in_one_sequence_ends_only_it(ckpt, reference, monkeypatch, where, bad_id):
+    """A fault that belongs to one row: a draft id outside the vocabulary, or an exception in its admission."""
     llm = LLM(ckpt, proposer="mtp", num_drafts=3, max_batch=4)
     victim = {"seq": None}
-    runner = llm.runner
-    if where == "commit":
-        real = runner.model.ops.commit_state
+    if where == "proposer":
+        real_draft = llm.proposer.draft
+        bad = llm.model.cfg.vocab_size if bad_id == "V" else bad_id
 
-        def commit_state(*args):
-            if victim["seq"] is not None and victim["seq"].slot in args[4][args[6]].tolist():
-                raise RuntimeError("injected commit fault")
-            return real(*args)
+        def draft(seqs, gamma, uniforms):
+            d = real_draft(seqs, gamma, uniforms)
+            if victim["seq"] in seqs and len(victim["seq"].generated) > 3:
+                d.tokens[seqs.index(victim["seq"]), gamma - 1] = bad
+            return d
 
-        monkeypatch.setattr(runner.model.ops, "commit_state", commit_state)
-    elif where == "propose":
-        real_p = runner.proposer.next
-
-        def next_drafts(model, cache, seqs, *rest):
-            if any(s is victim["seq"] for s in seqs):
-                raise RuntimeError("injected propose fault")
-            return real_p(model, cache, seqs, *rest)
-
-        monkeypatch.setattr(runner.proposer, "next", next_drafts)
+        monkeypatch.setattr(llm.proposer, "draft", draft)
     else:
-        real_pf = runner.prefill
+        real_prefill = llm.model.prefill
 
-        def prefill(seq):
-            if seq is victim["seq"]:
+        def prefill(ids, slot, cache):
+            if slot == victim["seq"].slot:
                 raise RuntimeError("injected prefill fault")
-            return real_pf(seq)
+            return real_prefill(ids, slot, cache)
 
-        monkeypatch.setattr(runner, "prefill", prefill)
+        monkeypatch.setattr(llm.model, "prefill", prefill)
     enc = llm.tokenizer.encode
     seqs = [llm.scheduler.add(enc(p), PARAMS) for p in PROMPTS[:4]]
     victim["seq"] = seqs[2]
     while llm.scheduler.has_work():
         llm.scheduler.step()
-    if where == "propose":  # an engine can go on without drafts: the victim's output is unchanged
-        assert seqs[2].finish_reason == "length" and seqs[2].generated == reference[2]
-        assert llm.stats["propose_failures"] >= 1 and "draft" not in seqs[2].origins[1:]
-    else:
-        assert seqs[2].finish_reason == "error" and f"injected {where} fault" in seqs[2].error
+    want = "proposer: draft ids outside" if where == "proposer" else "injected prefill fault"
+    assert seqs[2].finish_reason == "error" and want in seqs[2].error, seqs[2].error
+    assert seqs[2].generated == reference[2][: len(seqs[2].generated)]  # what it emitted before is right
+    if where == "proposer":
+        assert llm.stats["propose_failures"] == 1
     assert [s.generated for i, s in enumerate(seqs) if i != 2] == [r for i, r in enumerate(reference[:4]) if i != 2]
     assert_idle(llm)
     # the slot the failed request used serves the next request as a fresh engine would
+    assert llm.generate(PROMPTS[4], PARAMS)[0].token_ids == reference[4]
+
+
+def test_exception_in_a_step_ends_that_steps_sequences(ckpt, reference, monkeypatch):
+    """An exception no row owns (here, in the commit) ends every sequence of that step with an error and frees
+    their slots; generate returns instead of raising, and the engine then serves requests as a fresh one would."""
+    llm = LLM(ckpt, proposer="mtp", num_drafts=3, max_batch=2)
+    real, calls = llm.model.ops.commit_state, []
+
+    def commit_state(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected commit fault")
+        return real(*args)
+
+    monkeypatch.setattr(llm.model.ops, "commit_state", commit_state)
+    outs = llm.generate(PROMPTS[:3], PARAMS)
+    assert [o.finish_reason for o in outs[:2]] == ["error"] * 2
+    assert all(o.error == "step: RuntimeError: injected commit fault" for o in outs[:2])
+    assert outs[2].token_ids == reference[2]  # waiting when the step failed: admitted after, unharmed
+    assert_idle(llm)
     assert llm.generate(PROMPTS[4], PARAMS)[0].token_ids == reference[4]
 
 

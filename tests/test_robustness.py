@@ -190,35 +190,51 @@ def test_tiny_temperature_is_greedy(ckpt, temperature):
 
 
 # ---- 5. an interrupt never leaks a slot, and generate() never spins --------------------------------
-@pytest.mark.parametrize("where", ["prefill", "propose_first", "verify"])
+@pytest.mark.parametrize("where", ["prefill", "catch_up", "draft", "verify"])
 def test_interrupt_frees_slots_and_cancels_its_requests(ckpt, alone, monkeypatch, where):
     llm = LLM(ckpt, proposer="mtp", num_drafts=3, max_batch=1)
-    real = getattr(llm.runner, where)
+    owner = {"prefill": llm.model, "catch_up": llm.proposer, "draft": llm.proposer, "verify": llm.model}[where]
+    real = getattr(owner, where if where != "catch_up" else "admit")
 
     def interrupted(*args, **kw):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(llm.runner, where, interrupted)
+    monkeypatch.setattr(owner, real.__name__, interrupted)
     with pytest.raises(KeyboardInterrupt):
         llm.generate(PROMPTS[:3], PARAMS)
-    monkeypatch.setattr(llm.runner, where, real)
+    monkeypatch.setattr(owner, real.__name__, real)
     assert_idle(llm)  # nothing of the interrupted call is queued or running, every slot is free
     assert llm.generate(PROMPTS[3], PARAMS)[0].text == alone[3]
 
 
 def test_interrupt_ends_a_stream_sharing_the_batch(ckpt, alone, monkeypatch):
     llm = LLM(ckpt, proposer="mtp", num_drafts=3, max_batch=2)
-    stream = llm.stream(PROMPTS[0], PARAMS)
-    next(stream)
-    real = llm.runner.commit
-    monkeypatch.setattr(llm.runner, "commit", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt))
+    reading, other = llm.stream(PROMPTS[0], PARAMS), llm.stream(PROMPTS[1], PARAMS)
+    next(reading), next(other)  # both admitted: reading either steps both
+    real = llm.model.ops.commit_state
+    monkeypatch.setattr(llm.model.ops, "commit_state", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt))
     with pytest.raises(KeyboardInterrupt):
-        llm.generate(PROMPTS[1], PARAMS)
-    monkeypatch.setattr(llm.runner, "commit", real)
-    list(stream)  # its caches were mid-step: it ends with an error instead of continuing from a broken state
-    assert stream.output.finish_reason == "error" and "interrupted" in stream.output.error
+        list(reading)
+    monkeypatch.setattr(llm.model.ops, "commit_state", real)
+    list(other)  # its caches were mid-step: it ends with an error instead of continuing from a broken state
+    assert other.output.finish_reason == "error" and "interrupted" in other.output.error
     assert_idle(llm)
     assert llm.generate(PROMPTS[2], PARAMS)[0].text == alone[2]
+
+
+def test_interrupt_in_generate_leaves_a_paused_stream_intact(ckpt, alone, monkeypatch):
+    """generate() steps only its own requests, so an interrupt inside it cannot touch a paused stream."""
+    llm = LLM(ckpt, proposer="mtp", num_drafts=3, max_batch=2)
+    stream = llm.stream(PROMPTS[0], PARAMS)
+    text = next(stream)
+    real = llm.model.ops.commit_state
+    monkeypatch.setattr(llm.model.ops, "commit_state", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(PROMPTS[1], PARAMS)
+    monkeypatch.setattr(llm.model.ops, "commit_state", real)
+    text += "".join(stream)
+    assert stream.output.finish_reason == "length" and text == alone[0]
+    assert_idle(llm)
 
 
 def test_generate_raises_instead_of_spinning(ckpt):
@@ -289,10 +305,13 @@ def test_missing_tokenizer_is_reported_before_the_weights_are_read(ckpt, tmp_pat
 def test_memory_budget_counts_the_weights(ckpt):
     from nano_spec.cache import cache_bytes
     from nano_spec.config import ModelConfig
-    from nano_spec.llm import weight_bytes
+    from nano_spec.capacity import weight_bytes
+    from nano_spec.proposers import MTPProposer
 
     cfg = ModelConfig.from_file(ckpt / "config.json")
-    caches = sum(cache_bytes(cfg, 1, 64 + 8, 1, 4, torch.float32).values()) + 3 * cfg.vocab_size * 4
+    assert cfg.has_mtp  # the MTP proposer's KV rows count too
+    caches = (sum(cache_bytes(cfg, 1, 64 + 8, 1, 4, torch.float32).values()) + 3 * cfg.vocab_size * 4
+              + MTPProposer.state_bytes(cfg, 1, 64 + 8, torch.float32))
     weights = weight_bytes(cfg, torch.float32)
     assert weights == 4 * sum(p.numel() for p in LLM(ckpt, max_seq_len=64).model.parameters())
     with pytest.raises(ValueError, match="weights"):

@@ -15,10 +15,9 @@ from helpers import tiny_model
 from nano_spec_kernels.verdict_sample import sampling_probs_ref
 from nano_spec import sampling as sampling_mod
 from nano_spec.proposers import MTPProposer, NoProposer
-from nano_spec.runner import ModelRunner
+from nano_spec.runner import ModelRunner, cache_len
 from nano_spec.sampling import SamplingParams
 from nano_spec.scheduler import Scheduler
-from nano_spec.telemetry import Telemetry
 
 V, N_REQ, PROMPT = 8, 2400, [3, 1, 4, 1, 5]
 PARAMS = dict(temperature=1.3, top_k=6, top_p=0.95)
@@ -56,9 +55,10 @@ def joint(model, n: int = 3):
     return dict(zip(seqs, picked.tolist()))
 
 
-def sample(model, proposer, n_tokens: int):
+def sample(model, gamma: int, n_tokens: int):
+    proposer = MTPProposer(model, gamma, num_slots=64, max_len=cache_len(32, gamma)) if gamma else NoProposer()
     runner = ModelRunner(model, proposer, num_slots=64, max_seq_len=32)
-    sched = Scheduler(runner, ByteTok(), 64, 32, Telemetry(proposer.num_drafts))
+    sched = Scheduler(runner, ByteTok(), 32)
     seqs = [sched.add(PROMPT, SamplingParams(max_new_tokens=n_tokens, seed=i, **PARAMS)) for i in range(N_REQ)]
     while sched.has_work():
         sched.step()
@@ -91,8 +91,7 @@ def marginals(samples, joint):
 
 @pytest.mark.parametrize("gamma", [0, 3], ids=["plain", "mtp-gamma3"])
 def test_sampled_tokens_follow_the_target(model, joint, gamma):
-    proposer = MTPProposer(gamma) if gamma else NoProposer()
-    samples, tel = sample(model, proposer, 3)
+    samples, tel = sample(model, gamma, 3)
     if gamma:
         assert 0 < tel.accept_at[0] < 1, "drafts are both accepted and rejected"
     pair = {k[:2]: 0.0 for k in joint}
@@ -109,17 +108,17 @@ def test_sampled_tokens_follow_the_target(model, joint, gamma):
 
 def test_the_chi_square_test_catches_a_biased_verdict(model, joint, monkeypatch):
     """Negative control: accepting every draft gives the draft's distribution, which the test must reject."""
-    real = sampling_mod.verdict
+    real = sampling_mod.accept_rule
 
-    def accept_all(ops, logits, drafts, num_drafts, sampling, draft_probs=None, uniforms=None, bitmask=None):
-        na, emitted = real(ops, logits, drafts, num_drafts, sampling, draft_probs, uniforms, bitmask)
+    def accept_all(ops, logits, drafts, nd, sampling, q=None, uniforms=None, bitmask=None):
+        na, emitted = real(ops, logits, drafts, nd, sampling, q, uniforms, bitmask)
         K = logits.shape[1]
-        na = num_drafts.clone()
+        na = nd.clone()
         padded = torch.cat([drafts, emitted[:, -1:]], 1)
         return na, torch.where(torch.arange(K) < na[:, None], padded, emitted.gather(1, na[:, None]))
 
-    monkeypatch.setattr("nano_spec.runner.verdict", accept_all)
-    samples, _ = sample(model, MTPProposer(3), 3)
+    monkeypatch.setattr("nano_spec.runner.accept_rule", accept_all)
+    samples, _ = sample(model, 3, 3)
     worst = max(chi2(c, p, len(samples))[0] / chi2_critical(chi2(c, p, len(samples))[1])
                 for c, p in marginals(samples, joint)[1:])
     assert worst > 1, "a biased verdict went undetected"

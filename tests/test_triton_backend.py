@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from helpers import assert_close, tiny_checkpoint, tiny_model
+from helpers import assert_close, mtp_kv, tiny_checkpoint, tiny_model
 from nano_spec import LLM, SamplingParams
 from nano_spec.cache import HybridCache
 from nano_spec.ops import Ops
@@ -23,8 +23,9 @@ def test_model_triton_equals_torch(overrides, device):
         hidden = [model.prefill(ids[b, :9], slot, cache) for b, slot in enumerate([3, 1])]
         slots, lens = torch.tensor([3, 1], device=device), torch.tensor([9, 9], device=device)
         lg = model.verify(ids[:, 9:13], slots, lens, cache, kv_len=16)
-        o = model.mtp_step(ids[:, 9:13], cache.hidden_stash(2, 4), slots, lens, cache)
-        op = model.mtp_prefill(ids[0, 1:10], hidden[0], 3, cache)
+        kv = mtp_kv(model.cfg, 4, 32, device)
+        o = model.mtp_step(ids[:, 9:13], cache.hidden_stash(2, 4), slots, lens, *kv)
+        op = model.mtp_prefill(ids[0, 1:10], hidden[0], 3, *kv)
         results.append(dict(forward=model(ids), prefill=model.logits(hidden[1]), verify=lg, mtp_step=o,
                             mtp_prefill=op, ssm=cache.ssm_state, conv=cache.conv_state, k=cache.k))
     for name in results[0]:

@@ -5,8 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import tiny_model
-from nano_spec.cache import HybridCache
+from helpers import mtp_kv, tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -21,14 +20,14 @@ def load_script():
 def engine_chain(model, ids, h, p, depth):
     """What MTPProposer computes for a sequence whose last accepted row is p, with drafts forced to the
     true tokens: catch-up rows 0..p, then depth-1 mtp_step calls at positions p+1.. -> [o_1 .. o_depth] (D,)."""
-    cache = HybridCache(model.cfg, num_slots=2, max_seq_len=64, max_k=4)
+    kv = mtp_kv(model.cfg, num_slots=2, max_len=64)
     slot = 1
-    o = model.mtp_prefill(ids[1:p + 2], h[:p + 1], slot, cache)[-1:]  # (1, D): catch-up output at p
+    o = model.mtp_prefill(ids[1:p + 2], h[:p + 1], slot, *kv)[-1:]  # (1, D): catch-up output at p
     outs = [o[0]]
     slots = torch.tensor([slot])
     for d in range(2, depth + 1):
         pos = torch.tensor([p + d - 1])
-        o = model.mtp_step(ids[p + d].view(1, 1), o[:, None], slots, pos, cache, kv_len=p + depth + 1)[:, 0]
+        o = model.mtp_step(ids[p + d].view(1, 1), o[:, None], slots, pos, *kv, kv_len=p + depth + 1)[:, 0]
         outs.append(o[0])
     return outs
 
