@@ -330,3 +330,47 @@ def test_verdict_sample_rejects_bad_shapes(device):
         verdict_sample(logits, q, drafts, nd, u.half(), temp, top_k, top_p)
     with pytest.raises(ValueError, match="top_p"):
         verdict_sample(logits, q, drafts, nd, u, temp, top_k, top_p[:1])
+
+
+# ---------------------------------------------------------------- launcher checks
+
+def _spoil(t, fault):
+    """t wrong in one way: a row short, another dtype, a view with last-dim stride 2, or on the meta device."""
+    if fault == "shape":
+        return t[:-1]
+    if fault == "dtype":
+        return t.to(torch.int64 if t.is_floating_point() else torch.float32)
+    return torch.stack([t, t], -1)[..., 0] if fault in ("noncontig", "stride") else t.to("meta")
+
+
+SAYS = {"shape": "got shape", "dtype": "got dtype", "noncontig": "must be contiguous", "stride": "unit stride",
+        "device": "must be on"}
+SAMPLE_ARGS = ("logits", "draft_probs", "drafts", "num_drafts", "uniforms", "temperature", "top_k", "top_p")
+LAUNCHERS = {  # launcher, valid keyword arguments on a device
+    "gather_rows": (gather_rows, lambda d: dict(src=torch.randn(3, 4, 8, device=d),
+                                                idx=torch.zeros(3, dtype=torch.long, device=d))),
+    "verdict_greedy": (verdict_greedy, lambda d: dict(
+        logits=torch.randn(2, 3, 40, device=d), drafts=torch.zeros(2, 2, dtype=torch.long, device=d),
+        num_drafts=torch.zeros(2, dtype=torch.long, device=d), bitmask=torch.zeros(2, 3, 2, dtype=torch.int32, device=d))),
+    "verdict_sample": (verdict_sample, lambda d: dict(zip(SAMPLE_ARGS, _sample_inputs(2, 3, 40, d)))),
+}
+REFUSALS = [  # launcher, argument, fault
+    ("gather_rows", "idx", "shape"), ("gather_rows", "idx", "dtype"), ("gather_rows", "idx", "noncontig"),
+    ("gather_rows", "src", "stride"), ("gather_rows", "idx", "device"),
+    ("verdict_greedy", "drafts", "shape"), ("verdict_greedy", "logits", "dtype"),
+    ("verdict_greedy", "num_drafts", "noncontig"), ("verdict_greedy", "bitmask", "stride"),
+    ("verdict_greedy", "num_drafts", "device"),
+    ("verdict_sample", "uniforms", "shape"), ("verdict_sample", "draft_probs", "dtype"),
+    ("verdict_sample", "num_drafts", "noncontig"), ("verdict_sample", "draft_probs", "stride"),
+    ("verdict_sample", "top_k", "device"),
+]
+
+
+@pytest.mark.parametrize("kernel, arg, fault", REFUSALS, ids=["-".join(c) for c in REFUSALS])
+def test_launchers_name_the_bad_argument(device, kernel, arg, fault):
+    """One argument wrong in one way: a ValueError naming the kernel, the argument and what is wrong."""
+    launcher, inputs = LAUNCHERS[kernel]
+    a = inputs(device)
+    a[arg] = _spoil(a[arg], fault)
+    with pytest.raises(ValueError, match=rf"^{kernel}: .*\b{arg}\b.*{SAYS[fault]}"):
+        launcher(**a)

@@ -13,9 +13,11 @@ programs for the device when V is 100k+; the split count depends on shapes only.
 """
 import torch
 
-from nano_spec_kernels.common import check_verdict, checker, split_chunks, tl, triton
+from nano_spec_kernels.common import FLOAT, INT, ROW, STRIDED, Arg, Checker, split_chunks, tl, triton
 
-_check = checker("verdict_greedy")
+_check = Checker("verdict_greedy")
+_ARGS = {"logits": Arg("B K V", FLOAT, ROW), "drafts": Arg("B K-1", INT, STRIDED), "num_drafts": Arg("B", INT)}
+_MASK = {"bitmask": Arg("B K W", torch.int32, ROW)}  # W = ceil(V / 32) words, bound by the launcher
 
 
 @triton.jit
@@ -75,15 +77,11 @@ def _verdict_kernel(
 
 def _verdict_greedy(logits, drafts, num_drafts, bitmask=None, block_v=None, num_splits=None):
     """verdict_greedy with the tile and split sizes exposed (tests force several of each)."""
-    Bsz, K, V = check_verdict(_check, logits, drafts, num_drafts)
-    _check(logits.stride(-1) == 1, "logits must have a unit stride in its last dim")
-    if bitmask is not None:
-        W = triton.cdiv(V, 32)
-        _check(bitmask.shape == (Bsz, K, W) and bitmask.dtype == torch.int32,
-               f"bitmask must be int32 ({Bsz}, {K}, {W}), got {bitmask.dtype} {tuple(bitmask.shape)}")
-        _check(bitmask.stride(-1) == 1 and bitmask.device == logits.device,
-               "bitmask must have a unit stride in its last dim and be on the logits' device")
-    dev = logits.device
+    dims = _check.args(_ARGS, logits=logits, drafts=drafts, num_drafts=num_drafts)
+    Bsz, K, V, dev = dims.B, dims.K, dims.V, dims.device
+    _check(K >= 1 and V >= 1, f"logits needs K >= 1 and V >= 1, got {tuple(logits.shape)}")
+    dims.W = (V + 31) // 32
+    _check.args(_MASK, dims, bitmask=bitmask)
     picks = torch.empty((Bsz, K), dtype=torch.int64, device=dev)
     na = torch.empty((Bsz,), dtype=torch.int64, device=dev)
     if Bsz == 0:

@@ -27,9 +27,15 @@ consistent and a draw never runs past the last token with mass except where the 
 """
 import torch
 
-from nano_spec_kernels.common import check_verdict, checker, tl, triton
+from nano_spec_kernels.common import FLOAT, INT, ROW, STRIDED, Arg, Checker, one_of, tl, triton
 
-_check = checker("verdict_sample")
+_check = Checker("verdict_sample")
+_ARGS = {  # logits and uniforms go through torch, drafts by strides; the kernel reads num_drafts[b] at b
+    "logits": Arg("B K V", FLOAT, STRIDED), "draft_probs": Arg("B K-1 V", FLOAT, ROW),
+    "drafts": Arg("B K-1", INT, STRIDED), "num_drafts": Arg("B", INT),
+    "uniforms": Arg("B K", one_of(torch.float32, torch.float64), STRIDED),
+    "temperature, top_k, top_p": Arg("B", layout=STRIDED),
+}
 
 
 @triton.jit
@@ -106,17 +112,10 @@ def _verdict_sample_kernel(
 
 def _verdict_sample(logits, draft_probs, drafts, num_drafts, uniforms, temperature, top_k, top_p, block_v=None):
     """verdict_sample with the V tile exposed (tests force several tiles)."""
-    Bsz, K, V = check_verdict(_check, logits, drafts, num_drafts)
-    _check(draft_probs.shape == (Bsz, K - 1, V) and draft_probs.is_floating_point(),
-           f"draft_probs must be float ({Bsz}, {K - 1}, {V}), got {draft_probs.dtype} {tuple(draft_probs.shape)}")
-    _check(uniforms.shape == (Bsz, K) and uniforms.dtype in (torch.float32, torch.float64),
-           f"uniforms must be fp32/fp64 ({Bsz}, {K}), got {uniforms.dtype} {tuple(uniforms.shape)}")
-    for name, t in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p)):
-        _check(t.shape == (Bsz,), f"{name} must be ({Bsz},), got {tuple(t.shape)}")
-    others = (draft_probs, uniforms, temperature, top_k, top_p)
-    _check(all(t.device == logits.device for t in others), "all tensors must be on one device")
-    _check(K == 1 or draft_probs.stride(-1) == 1, "draft_probs must have a unit stride in its last dim")
-    dev = logits.device
+    dims = _check.args(_ARGS, logits=logits, draft_probs=draft_probs, drafts=drafts, num_drafts=num_drafts,
+                       uniforms=uniforms, temperature=temperature, top_k=top_k, top_p=top_p)
+    Bsz, K, V, dev = dims.B, dims.K, dims.V, dims.device
+    _check(K >= 1 and V >= 1, f"logits needs K >= 1 and V >= 1, got {tuple(logits.shape)}")
     na = torch.empty((Bsz,), dtype=torch.int64, device=dev)
     token = torch.empty((Bsz,), dtype=torch.int64, device=dev)
     if Bsz == 0:
