@@ -214,3 +214,43 @@ def test_attention_half_precision(device):
     assert_close("verify o fp16", o_ref, o, atol=5e-3)
     assert_close("verify k_cache fp16", kc_ref, kc, atol=5e-3)
     assert_unchanged("verify v_cache fp16", vc_ref, vc)
+
+
+def _spoil(t, fault):
+    """t wrong in one way: a row short, another dtype, a view with last-dim stride 2, or on the meta device."""
+    if fault == "shape":
+        return t[:-1]
+    if fault == "dtype":
+        return t.to(torch.int64 if t.is_floating_point() else torch.float32)
+    return torch.stack([t, t], -1)[..., 0] if fault in ("noncontig", "stride") else t.to("meta")
+
+
+SAYS = {"shape": "got shape", "dtype": "got dtype", "noncontig": "must be contiguous", "stride": "unit stride",
+        "device": "must be on"}
+LAUNCHERS = {  # launcher, valid keyword arguments on a device
+    "attention_prefill": (attention_prefill, lambda d: dict(
+        q=torch.randn(8, 4, 16, device=d), k=torch.randn(8, 2, 16, device=d), v=torch.randn(8, 2, 16, device=d),
+        k_cache=torch.randn(2, 16, 2, 16, device=d), v_cache=torch.randn(2, 16, 2, 16, device=d), slot=0, scale=SCALE)),
+    "attention_verify": (attention_verify, lambda d: dict(
+        q=torch.randn(2, 3, 4, 16, device=d), k=torch.randn(2, 3, 2, 16, device=d),
+        v=torch.randn(2, 3, 2, 16, device=d), k_cache=torch.randn(3, 32, 2, 16, device=d),
+        v_cache=torch.randn(3, 32, 2, 16, device=d), slot_ids=torch.tensor([0, 2], device=d),
+        seq_lens=torch.tensor([4, 9], device=d), scale=SCALE)),
+}
+REFUSALS = [  # launcher, argument, fault (prefill takes no argument that must be contiguous)
+    ("attention_prefill", "k", "shape"), ("attention_prefill", "v_cache", "dtype"),
+    ("attention_prefill", "q", "stride"), ("attention_prefill", "k_cache", "device"),
+    ("attention_verify", "slot_ids", "shape"), ("attention_verify", "q", "dtype"),
+    ("attention_verify", "seq_lens", "noncontig"), ("attention_verify", "v", "stride"),
+    ("attention_verify", "k_cache", "device"),
+]
+
+
+@pytest.mark.parametrize("kernel, arg, fault", REFUSALS, ids=["-".join(c) for c in REFUSALS])
+def test_launchers_name_the_bad_argument(device, kernel, arg, fault):
+    """One argument wrong in one way: a ValueError naming the kernel, the argument and what is wrong."""
+    launcher, inputs = LAUNCHERS[kernel]
+    a = inputs(device)
+    a[arg] = _spoil(a[arg], fault)
+    with pytest.raises(ValueError, match=rf"^{kernel}: .*\b{arg}\b.*{SAYS[fault]}"):
+        launcher(**a)

@@ -408,3 +408,52 @@ def test_other_launchers_reject_bad_inputs(device):
     with pytest.raises(ValueError, match="gated_rmsnorm"):
         gated_rmsnorm(torch.randn(2, 12, device=device), torch.randn(2, 12, device=device),
                       torch.randn(12, device=device), 5, 1e-5)
+
+
+def _spoil(t, fault):
+    """t wrong in one way: a row short, another dtype, a view with last-dim stride 2, or on the meta device."""
+    if fault == "shape":
+        return t[:-1]
+    if fault == "dtype":
+        return t.to(torch.int64 if t.is_floating_point() else torch.float32)
+    return torch.stack([t, t], -1)[..., 0] if fault in ("noncontig", "stride") else t.to("meta")
+
+
+SAYS = {"shape": "got shape", "dtype": "got dtype", "noncontig": "must be contiguous", "stride": "unit stride",
+        "device": "must be on"}
+LAUNCHERS = {  # launcher, valid keyword arguments on a device
+    "mamba_verify": (mamba_verify, _verify_inputs),
+    "commit_state": (commit_state, lambda d: dict(
+        ssm_state=torch.zeros(2, S, 2, 4, 8, device=d), conv_state=torch.zeros(2, S, 40, 3, device=d),
+        ssm_stash=torch.zeros(2, 2, 3, 2, 4, 8, device=d), conv_stash=torch.zeros(2, 2, 40, 6, device=d),
+        slot_ids=slot_ids(2, d), na=torch.zeros(2, dtype=torch.long, device=d),
+        active=torch.ones(2, dtype=torch.bool, device=d))),
+    "mamba_scan": (mamba_scan, lambda d: dict(xBC=torch.randn(5, 44, device=d), dt=torch.randn(5, 2, device=d),
+                                             **make_layer(2, 12, 10, 1, 4, device=d), n_groups=1, head_dim=12)),
+    "rmsnorm": (rmsnorm, lambda d: dict(x=torch.randn(3, 8, device=d), weight=torch.randn(8, device=d), eps=1e-5,
+                                        residual=torch.randn(3, 8, device=d))),
+    "gated_rmsnorm": (gated_rmsnorm, lambda d: dict(y=torch.randn(2, 12, device=d), z=torch.randn(2, 12, device=d),
+                                                    weight=torch.randn(12, device=d), group_size=6, eps=1e-5)),
+}
+REFUSALS = [  # launcher, argument, fault
+    ("mamba_verify", "dt", "shape"), ("mamba_verify", "ssm_stash", "dtype"), ("mamba_verify", "conv_state", "noncontig"),
+    ("mamba_verify", "xBC", "stride"), ("mamba_verify", "slot_ids", "device"),
+    ("commit_state", "conv_stash", "shape"), ("commit_state", "active", "dtype"),
+    ("commit_state", "ssm_stash", "noncontig"), ("commit_state", "na", "device"),
+    ("mamba_scan", "dt", "shape"), ("mamba_scan", "xBC", "dtype"), ("mamba_scan", "D", "noncontig"),
+    ("mamba_scan", "dt", "stride"), ("mamba_scan", "conv_weight", "device"),
+    ("rmsnorm", "weight", "shape"), ("rmsnorm", "residual", "dtype"), ("rmsnorm", "weight", "noncontig"),
+    ("rmsnorm", "residual", "stride"), ("rmsnorm", "weight", "device"),
+    ("gated_rmsnorm", "z", "shape"), ("gated_rmsnorm", "y", "dtype"), ("gated_rmsnorm", "weight", "noncontig"),
+    ("gated_rmsnorm", "z", "stride"), ("gated_rmsnorm", "weight", "device"),
+]
+
+
+@pytest.mark.parametrize("kernel, arg, fault", REFUSALS, ids=["-".join(c) for c in REFUSALS])
+def test_launchers_name_the_bad_argument(kernel, arg, fault, device):
+    """One argument wrong in one way: a ValueError naming the kernel, the argument and what is wrong."""
+    launcher, inputs = LAUNCHERS[kernel]
+    a = inputs(device)
+    a[arg] = _spoil(a[arg], fault)
+    with pytest.raises(ValueError, match=rf"^{kernel}: .*\b{arg}\b.*{SAYS[fault]}"):
+        launcher(**a)

@@ -5,6 +5,8 @@ first index). Sampled: with fixed uniforms (na, token) must
 equal the reference exactly; with random uniforms the emitted tokens must follow
 the target distribution (a chi-square test with a fixed seed).
 """
+import inspect
+
 import pytest
 import torch
 
@@ -51,7 +53,7 @@ def test_gather_rows_rejects_bad_shapes(device):
 
 # ---------------------------------------------------------------- verdict_greedy
 
-def _greedy_loop(logits, drafts, num_drafts):
+def _greedy_loop(logits, drafts, nd):
     """The greedy verdict as plain python: first maximal index, then count leading matches."""
     Bsz, K, V = logits.shape
     rows = logits.float().tolist()
@@ -59,7 +61,7 @@ def _greedy_loop(logits, drafts, num_drafts):
     na = []
     for b in range(Bsz):
         n = 0
-        while n < int(num_drafts[b]) and n < K - 1 and int(drafts[b, n]) == picks[b][n]:
+        while n < int(nd[b]) and n < K - 1 and int(drafts[b, n]) == picks[b][n]:
             n += 1
         na.append(n)
     return torch.tensor(picks, dtype=torch.long), torch.tensor(na, dtype=torch.long)
@@ -190,13 +192,22 @@ def test_verdict_greedy_bitmask_rejects_bad_masks(device):
         verdict_greedy(logits, drafts, nd, torch.zeros(2, 3, 2, dtype=torch.int64, device=device))
 
 
+@pytest.mark.parametrize("launcher, ref, names", [
+    (verdict_greedy, verdict_greedy_ref, ["logits", "drafts", "nd", "bitmask"]),
+    (verdict_sample, verdict_sample_ref, ["logits", "draft_probs", "drafts", "nd", "uniforms", "temperature", "top_k", "top_p"]),
+], ids=["greedy", "sample"])
+def test_verdict_signatures(launcher, ref, names):
+    """Launcher and reference take the same arguments in the same order (nano_spec passes them positionally)."""
+    assert list(inspect.signature(launcher).parameters) == list(inspect.signature(ref).parameters) == names
+
+
 def test_verdict_greedy_rejects_bad_shapes(device):
     logits = torch.randn(2, 3, 50, device=device)
     with pytest.raises(ValueError, match="verdict_greedy: drafts"):
         verdict_greedy(logits, torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, dtype=torch.long))
-    with pytest.raises(ValueError, match="verdict_greedy: num_drafts"):
+    with pytest.raises(ValueError, match="verdict_greedy: nd"):
         verdict_greedy(logits, torch.zeros(2, 2, dtype=torch.long), torch.zeros(3, dtype=torch.long))
-    with pytest.raises(ValueError, match="verdict_greedy: num_drafts must be contiguous"):
+    with pytest.raises(ValueError, match="verdict_greedy: nd must be contiguous"):
         verdict_greedy(logits, torch.zeros(2, 2, dtype=torch.long), torch.zeros(2, 2, dtype=torch.long)[:, 0])
     with pytest.raises(ValueError, match="verdict_greedy: logits"):
         verdict_greedy(logits[0], torch.zeros(2, 2, dtype=torch.long), torch.zeros(2, dtype=torch.long))
@@ -206,7 +217,7 @@ def test_verdict_greedy_rejects_bad_shapes(device):
 
 def _sample_inputs(Bsz, K, V, device, draft_noise=0.5):
     """Target logits, per-sequence sampling settings, draft probs close to p (so some drafts are
-    accepted), drafts sampled from them, random num_drafts and uniforms."""
+    accepted), drafts sampled from them, random nd and uniforms."""
     logits = 2 * torch.randn(Bsz, K, V, device=device)
     temperature = 0.5 + torch.rand(Bsz, device=device)
     top_k = torch.tensor([0, 1, 5, V // 2] * Bsz, device=device)[:Bsz]
@@ -330,3 +341,47 @@ def test_verdict_sample_rejects_bad_shapes(device):
         verdict_sample(logits, q, drafts, nd, u.half(), temp, top_k, top_p)
     with pytest.raises(ValueError, match="top_p"):
         verdict_sample(logits, q, drafts, nd, u, temp, top_k, top_p[:1])
+
+
+# ---------------------------------------------------------------- launcher checks
+
+def _spoil(t, fault):
+    """t wrong in one way: a row short, another dtype, a view with last-dim stride 2, or on the meta device."""
+    if fault == "shape":
+        return t[:-1]
+    if fault == "dtype":
+        return t.to(torch.int64 if t.is_floating_point() else torch.float32)
+    return torch.stack([t, t], -1)[..., 0] if fault in ("noncontig", "stride") else t.to("meta")
+
+
+SAYS = {"shape": "got shape", "dtype": "got dtype", "noncontig": "must be contiguous", "stride": "unit stride",
+        "device": "must be on"}
+SAMPLE_ARGS = ("logits", "draft_probs", "drafts", "nd", "uniforms", "temperature", "top_k", "top_p")
+LAUNCHERS = {  # launcher, valid keyword arguments on a device
+    "gather_rows": (gather_rows, lambda d: dict(src=torch.randn(3, 4, 8, device=d),
+                                                idx=torch.zeros(3, dtype=torch.long, device=d))),
+    "verdict_greedy": (verdict_greedy, lambda d: dict(
+        logits=torch.randn(2, 3, 40, device=d), drafts=torch.zeros(2, 2, dtype=torch.long, device=d),
+        nd=torch.zeros(2, dtype=torch.long, device=d), bitmask=torch.zeros(2, 3, 2, dtype=torch.int32, device=d))),
+    "verdict_sample": (verdict_sample, lambda d: dict(zip(SAMPLE_ARGS, _sample_inputs(2, 3, 40, d)))),
+}
+REFUSALS = [  # launcher, argument, fault
+    ("gather_rows", "idx", "shape"), ("gather_rows", "idx", "dtype"), ("gather_rows", "idx", "noncontig"),
+    ("gather_rows", "src", "stride"), ("gather_rows", "idx", "device"),
+    ("verdict_greedy", "drafts", "shape"), ("verdict_greedy", "logits", "dtype"),
+    ("verdict_greedy", "nd", "noncontig"), ("verdict_greedy", "bitmask", "stride"),
+    ("verdict_greedy", "nd", "device"),
+    ("verdict_sample", "uniforms", "shape"), ("verdict_sample", "draft_probs", "dtype"),
+    ("verdict_sample", "nd", "noncontig"), ("verdict_sample", "draft_probs", "stride"),
+    ("verdict_sample", "top_k", "device"),
+]
+
+
+@pytest.mark.parametrize("kernel, arg, fault", REFUSALS, ids=["-".join(c) for c in REFUSALS])
+def test_launchers_name_the_bad_argument(device, kernel, arg, fault):
+    """One argument wrong in one way: a ValueError naming the kernel, the argument and what is wrong."""
+    launcher, inputs = LAUNCHERS[kernel]
+    a = inputs(device)
+    a[arg] = _spoil(a[arg], fault)
+    with pytest.raises(ValueError, match=rf"^{kernel}: .*\b{arg}\b.*{SAYS[fault]}"):
+        launcher(**a)

@@ -17,10 +17,12 @@ rounded values, as the reference does) and rotates q on load.
 """
 import torch
 
-from nano_spec_kernels.common import (apply_rope_ref, check_attention, checker, dot_precision,
-                            online_softmax_step, pow2, rope_inv_freq, rope_load, tl, triton)
+from nano_spec_kernels.common import (DOT, ROW, Arg, Checker, apply_rope_ref, dot_precision, online_softmax_step, pow2,
+                                      rope_inv_freq, rope_load, tl, triton)
 
-_check = checker("attention_prefill")
+_check = Checker("attention_prefill")
+_ARGS = {"q": Arg("T Hq Dh", DOT, ROW), "k, v": Arg("T Hkv Dh", "q", ROW),
+         "k_cache, v_cache": Arg("S L Hkv Dh", "q", ROW)}
 
 
 @triton.jit
@@ -90,9 +92,10 @@ def _prefill_attention_kernel(
 
 def attention_prefill(q, k, v, k_cache, v_cache, slot: int, scale: float, rope_theta=None):
     """Triton version of attention_prefill_ref (same signature, same cache writes, same output)."""
-    Hkv = check_attention(_check, ("T",), q, k, v, k_cache, v_cache, rope_theta)
-    T, Hq, Dh = q.shape
-    S, L = k_cache.shape[:2]
+    d = _check.args(_ARGS, q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache)
+    T, Hq, Hkv, Dh, S, L = d.T, d.Hq, d.Hkv, d.Dh, d.S, d.L
+    _check(Hkv > 0 and Hq % Hkv == 0, f"Hq={Hq} must be a multiple of Hkv={Hkv}")
+    _check(rope_theta is None or Dh % 2 == 0, f"RoPE needs an even head dim, got {Dh}")
     _check(0 <= int(slot) < S, f"slot {slot} out of range [0, {S})")
     _check(T <= L, f"prompt of {T} tokens does not fit a cache of {L} rows")
     if T == 0:

@@ -19,11 +19,12 @@ never on seq_lens values, so there is no host sync; programs past a sequence's l
 """
 import torch
 
-from nano_spec_kernels.common import (apply_rope_ref, check_attention, checker, dot_precision,
-                            online_softmax_step, pow2, rope_inv_freq, rope_load, split_chunks,
-                            tl, triton)
+from nano_spec_kernels.common import (DOT, INT, ROW, Arg, Checker, apply_rope_ref, dot_precision, online_softmax_step,
+                                      pow2, rope_inv_freq, rope_load, split_chunks, tl, triton)
 
-_check = checker("attention_verify")
+_check = Checker("attention_verify")
+_ARGS = {"q": Arg("B K Hq Dh", DOT, ROW), "k, v": Arg("B K Hkv Dh", "q", ROW),
+         "k_cache, v_cache": Arg("S L Hkv Dh", "q", ROW), "slot_ids, seq_lens": Arg("B", INT)}
 
 
 @triton.jit
@@ -126,17 +127,11 @@ def _combine_kernel(
 
 def _attention_verify(q, k, v, k_cache, v_cache, slot_ids, seq_lens, scale, rope_theta=None, num_splits=None):
     """attention_verify with the split count exposed (tests force the split and unsplit paths)."""
-    Hkv = check_attention(_check, ("B", "K"), q, k, v, k_cache, v_cache, rope_theta)
-    Bsz, K, Hq, Dh = q.shape
-    L = k_cache.shape[1]
+    d = _check.args(_ARGS, q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_ids=slot_ids, seq_lens=seq_lens)
+    Bsz, K, Hq, Hkv, Dh, L = d.B, d.K, d.Hq, d.Hkv, d.Dh, d.L
+    _check(Hkv > 0 and Hq % Hkv == 0, f"Hq={Hq} must be a multiple of Hkv={Hkv}")
+    _check(rope_theta is None or Dh % 2 == 0, f"RoPE needs an even head dim, got {Dh}")
     _check(1 <= K <= L, f"K={K} rows must be in [1, L={L}]")
-    _check(slot_ids.shape == (Bsz,) == seq_lens.shape,
-           f"slot_ids, seq_lens must be ({Bsz},), got {tuple(slot_ids.shape)}, {tuple(seq_lens.shape)}")
-    _check(not slot_ids.is_floating_point() and not seq_lens.is_floating_point(),
-           "slot_ids, seq_lens must be integer tensors")
-    _check(q.device == slot_ids.device == seq_lens.device, "slot_ids, seq_lens: not on q's device")
-    contiguous = slot_ids.is_contiguous() and seq_lens.is_contiguous()  # the kernel reads them at b
-    _check(contiguous, "slot_ids, seq_lens must be contiguous")
     o = torch.empty((Bsz, K, Hq, Dh), dtype=q.dtype, device=q.device)
     if Bsz == 0:
         return o

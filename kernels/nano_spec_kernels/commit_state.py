@@ -14,9 +14,14 @@ fold into the masks, so a row that does not commit moves no bytes and the host n
 """
 import torch
 
-from nano_spec_kernels.common import check_placed, checker, tl, triton
+from nano_spec_kernels.common import INT, Arg, Checker, tl, triton
 
-_check = checker("commit_state")
+_check = Checker("commit_state")
+_ARGS = {
+    "ssm_state": Arg("L S H P N"), "ssm_stash": Arg("L B K H P N", "ssm_state"),
+    "conv_state": Arg("L S C Wm1"), "conv_stash": Arg("L B C Wm1+K", "conv_state"),
+    "slot_ids, na": Arg("B", INT), "active": Arg("B", torch.bool),
+}
 
 
 @triton.jit
@@ -50,26 +55,13 @@ def _commit_state_kernel(p_ssm_state, p_conv_state, p_ssm_stash, p_conv_stash, p
 def commit_state(ssm_state, conv_state, ssm_stash, conv_stash, slot_ids, na, active):
     """Triton version of commit_state_ref (same arguments, in place, no host sync): all tensors
     contiguous on one device, each state with its stash's dtype."""
-    _check(ssm_state.dim() == 5 and ssm_stash.dim() == 6, "ssm_state (L, S, H, P, N) and ssm_stash (L, B, K, H, P, N) expected")
-    L, S, H, P, N = ssm_state.shape
-    Lb, Bsz, K = ssm_stash.shape[:3]
-    _check(Lb == L and tuple(ssm_stash.shape[3:]) == (H, P, N),
-           f"ssm_stash {tuple(ssm_stash.shape)} does not match ssm_state {tuple(ssm_state.shape)}")
-    _check(conv_state.dim() == 4 and conv_state.shape[:2] == (L, S), f"conv_state must be (L={L}, S={S}, C, W-1), got {tuple(conv_state.shape)}")
-    C, Wm1 = conv_state.shape[2], conv_state.shape[3]
+    d = _check.args(_ARGS, ssm_state=ssm_state, conv_state=conv_state, ssm_stash=ssm_stash, conv_stash=conv_stash,
+                    slot_ids=slot_ids, na=na, active=active)
+    L, S, Bsz, K, C, Wm1 = d.L, d.S, d.B, d.K, d.C, d.Wm1
     _check(Wm1 >= 1, "conv window W-1 must be >= 1")
-    _check(tuple(conv_stash.shape) == (L, Bsz, C, Wm1 + K), f"conv_stash must be {(L, Bsz, C, Wm1 + K)}, got {tuple(conv_stash.shape)}")
-    for name, t in (("slot_ids", slot_ids), ("na", na), ("active", active)):
-        _check(tuple(t.shape) == (Bsz,), f"{name} must be (B={Bsz},), got {tuple(t.shape)}")
-    _check(not slot_ids.is_floating_point() and slot_ids.dtype != torch.bool, "slot_ids must be integer")
-    _check(not na.is_floating_point() and na.dtype != torch.bool, "na must be integer")
-    _check(active.dtype == torch.bool, "active must be bool")
-    _check(ssm_state.dtype == ssm_stash.dtype and conv_state.dtype == conv_stash.dtype, "state and stash dtypes differ")
-    check_placed(_check, ssm_state.device, ssm_state=ssm_state, conv_state=conv_state, na=na,
-                 ssm_stash=ssm_stash, conv_stash=conv_stash, slot_ids=slot_ids, active=active)
     if L * Bsz == 0:
         return
-    HPN = H * P * N
+    HPN = d.H * d.P * d.N
     BLOCK = 1024
     grid = (L * Bsz, triton.cdiv(max(HPN, C * Wm1), BLOCK))
     _commit_state_kernel[grid](ssm_state, conv_state, ssm_stash, conv_stash, slot_ids, na, active.view(torch.uint8),

@@ -6,6 +6,10 @@ the glossary of docs/DESIGN.md §1: T tokens, H Mamba heads, Dh head dim.
 Triton is optional: kernel files take `triton` and `tl` from here, the real modules or, without triton
 (macOS, Windows), a stand-in under which the references run.
 """
+import re
+from types import SimpleNamespace
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -39,70 +43,84 @@ except ImportError:
     triton = tl = _NoTriton()
 
 
-def checker(kernel: str):
-    """`_check(cond, msg)` of a launcher file: one ValueError naming the kernel, not a Triton error deep inside."""
-    def check(cond: bool, msg: str):
+def one_of(*dtypes: torch.dtype) -> tuple:
+    """An Arg's dtypes: (the name its messages use, the test)."""
+    return "/".join(str(dt).removeprefix("torch.") for dt in dtypes), dtypes.__contains__
+
+
+INT = "integer", lambda dt: not (dt.is_floating_point or dt.is_complex or dt == torch.bool)
+FLOAT = "floating point", lambda dt: dt.is_floating_point
+DOT = one_of(torch.float32, torch.float16, torch.bfloat16)  # what tl.dot takes
+CONTIG, ROW, STRIDED = "contiguous", "row", "strided"  # layouts: indexed flat, unit last-dim stride, any strides
+
+
+class Arg(NamedTuple):
+    """One row of a launcher's contract. shape: sizes by name, "B K-1 V": a name is bound on first sight and must
+    agree wherever it appears again, a sum of names and integers must equal its value, a leading "..." binds the
+    leading dims. dtype: None (any), a dtype, one_of(...), INT, FLOAT, or the name of an earlier argument."""
+    shape: str
+    dtype: object = None
+    layout: str = CONTIG
+
+
+class Checker:
+    """A launcher's input checks, each failure a ValueError naming the kernel, not a Triton error deep inside:
+    `chk(cond, msg)` for a one-line rule, `chk.args(table, **tensors)` for the tensors."""
+
+    def __init__(self, kernel: str):
+        self.kernel = kernel
+
+    def __call__(self, cond: bool, msg: str):
         if not cond:
-            raise ValueError(f"{kernel}: {msg}")
-    return check
+            raise ValueError(f"{self.kernel}: {msg}")
+
+    def args(self, table: dict, dims: SimpleNamespace | None = None, **tensors) -> SimpleNamespace:
+        """Check tensors against table {"name" or "name1, name2": Arg}, in table order: shape, dtype, layout and
+        the first one's device; None (an absent optional tensor) passes. Returns the bound sizes d.B, d.K, ...
+        and d.device; `dims` continues an earlier call's binding."""
+        d = dims or SimpleNamespace()
+        for key, arg in table.items():
+            for name in key.split(", "):
+                bad = tensors[name] is not None and _violation(arg, tensors[name], vars(d), tensors)
+                if bad:
+                    who = f" for {name}" if name != key else ""  # a row of several tensors: which one
+                    raise ValueError(f"{self.kernel}: {key} must {bad[0]}, got {bad[1]}{who}")
+        return d
 
 
-def check_placed(chk, device, **tensors):
-    """Each named tensor (None skipped) is contiguous, as the kernels index it, and on device."""
-    for name, t in tensors.items():
-        if t is not None:
-            chk(t.device == device, f"{name} is on {t.device}, not {device}")
-            chk(t.is_contiguous(), f"{name} must be contiguous")
+def _violation(arg: Arg, t: torch.Tensor, dims: dict, tensors: dict) -> tuple[str, str] | None:
+    """What t breaks of arg, as (what it must, what it is), or None; binds the sizes arg names."""
+    dims.setdefault("device", t.device)
+    dtypes = tensors[arg.dtype].dtype if isinstance(arg.dtype, str) else arg.dtype
+    dtypes = one_of(dtypes) if isinstance(dtypes, torch.dtype) else dtypes
+    tokens = arg.shape.split()
+    fits = _bind(tokens, tuple(t.shape), dims)
+    if not fits or (dtypes and not dtypes[1](t.dtype)):  # say all the row asks: "int32 (2, 3, K)"
+        shape = [v for tok in tokens for v in (dims.get("...", [tok]) if tok == "..." else [_size(tok, dims)])]
+        want = f"be {dtypes[0] + ' ' if dtypes else ''}({', '.join(map(str, shape))}{',' * (len(shape) == 1)})"
+        return want, f"dtype {one_of(t.dtype)[0]}" if fits else f"shape {tuple(t.shape)}"
+    if arg.layout == CONTIG and not t.is_contiguous():
+        return "be contiguous", f"strides {t.stride()}"
+    if arg.layout == ROW and t.numel() and t.stride(-1) != 1:
+        return "have a unit stride in its last dim", f"strides {t.stride()}"
+    return (f"be on {dims['device']}", str(t.device)) if t.device != dims["device"] else None
 
 
-def check_attention(chk, dims: tuple, q, k, v, k_cache, v_cache, rope_theta) -> int:
-    """The inputs of both attention launchers: q (*dims, Hq, Dh), k and v (*dims, Hkv, Dh),
-    caches (S, L, Hkv, Dh), one float dtype, one device, unit last-dim strides. Returns Hkv."""
-    ts = (q, k, v, k_cache, v_cache)
-    names, got = ", ".join(dims), "got " + ", ".join(str(tuple(t.shape)) for t in ts)
-    chk(q.dim() == k.dim() == v.dim() == len(dims) + 2, f"q, k, v must be ({names}, H, Dh), {got}")
-    *lead, Hq, Dh = q.shape
-    Hkv = k.shape[-2]
-    chk(k.shape == (*lead, Hkv, Dh) == v.shape, f"k, v must be ({names}, Hkv, Dh), {got}")
-    chk(Hkv > 0 and Hq % Hkv == 0, f"Hq={Hq} must be a multiple of Hkv={Hkv}")
-    chk(k_cache.dim() == 4 and k_cache.shape[2:] == (Hkv, Dh) and v_cache.shape == k_cache.shape,
-        f"k_cache, v_cache must be (S, L, {Hkv}, {Dh}), {got}")
-    dtypes = [t.dtype for t in ts]
-    one_float = len(set(dtypes)) == 1 and q.dtype in (torch.float32, torch.float16, torch.bfloat16)
-    chk(one_float, f"q, k, v, k_cache, v_cache need one dtype, fp32, fp16 or bf16, got {dtypes}")
-    chk(len({t.device for t in ts}) == 1, "all tensors must be on one device")
-    chk(all(t.stride(-1) == 1 for t in ts), "q, k, v and caches need unit stride on dim -1")
-    chk(rope_theta is None or Dh % 2 == 0, f"RoPE needs an even head dim, got {Dh}")
-    return Hkv
+def _bind(tokens: list, shape: tuple, dims: dict) -> bool:
+    """Whether shape fits tokens, binding the names (and "...") not bound yet."""
+    if tokens[:1] == ["..."]:
+        n = len(shape) - len(tokens) + 1
+        if n < 0 or dims.setdefault("...", shape[:n]) != shape[:n]:
+            return False
+        tokens, shape = tokens[1:], shape[n:]
+    return len(tokens) == len(shape) and all(
+        (dims.setdefault(tok, n) if tok.isidentifier() else _size(tok, dims)) == n for tok, n in zip(tokens, shape))
 
 
-def check_mamba_params(chk, device, C, H, G, conv_w, conv_b, dt_bias, A_log, D) -> int:
-    """Both Mamba launchers' layer parameters, contiguous on device: conv_w (C, W >= 2),
-    conv_b (C,) or None, dt_bias, A_log, D (H,); and G groups dividing the H heads. Returns W."""
-    chk(G >= 1 and H % G == 0, f"H={H} not divisible by n_groups={G}")
-    W = conv_w.shape[-1]
-    chk(conv_w.dim() == 2 and conv_w.shape[0] == C and W >= 2,
-        f"conv_weight must be (C={C}, W>=2), got {tuple(conv_w.shape)}")
-    chk(conv_b is None or conv_b.shape == (C,), "conv_bias must be (C,) or None")
-    for name, t in (("dt_bias", dt_bias), ("A_log", A_log), ("D", D)):
-        chk(t.shape == (H,), f"{name} must be (H={H},), got {tuple(t.shape)}")
-    check_placed(chk, device, conv_weight=conv_w, conv_bias=conv_b, dt_bias=dt_bias, A_log=A_log, D=D)
-    return W
-
-
-def check_verdict(chk, logits, drafts, num_drafts):
-    """The inputs both verdicts share: logits (B, K, V) float, drafts (B, K-1) and num_drafts (B,)
-    integer on logits' device, num_drafts contiguous (read at offset b). Returns B, K, V."""
-    chk(logits.dim() == 3, f"logits must be (B, K, V), got {tuple(logits.shape)}")
-    Bsz, K, V = logits.shape
-    chk(K >= 1 and V >= 1, f"logits needs K >= 1 and V >= 1, got {tuple(logits.shape)}")
-    chk(logits.is_floating_point(), f"logits must be floating point, got {logits.dtype}")
-    for name, t, shape in (("drafts", drafts, (Bsz, K - 1)), ("num_drafts", num_drafts, (Bsz,))):
-        chk(t.shape == shape and not t.is_floating_point(),
-            f"{name} must be an integer {shape} tensor, got {t.dtype} {tuple(t.shape)}")
-        chk(t.device == logits.device, f"{name} is on {t.device}, logits on {logits.device}")
-    chk(num_drafts.is_contiguous(), "num_drafts must be contiguous")
-    return Bsz, K, V
+def _size(expr: str, dims: dict) -> int | str:
+    """The value of a size name or of a sum such as "W-1+K"; expr itself while a name in it is unbound."""
+    terms = [(sign, int(x) if x.isdigit() else dims.get(x)) for sign, x in re.findall(r"([+-]?)(\w+)", expr)]
+    return expr if None in (v for _, v in terms) else sum(-v if sign == "-" else v for sign, v in terms)
 
 
 def pow2(n: int, lo: int = 16) -> int:

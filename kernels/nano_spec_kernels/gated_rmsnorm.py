@@ -8,9 +8,10 @@ group rounds to z's dtype before the weight, as in the reference.
 import torch
 import torch.nn.functional as F
 
-from nano_spec_kernels.common import check_placed, checker, rms_normalize, tl, triton
+from nano_spec_kernels.common import FLOAT, ROW, Arg, Checker, rms_normalize, tl, triton
 
-_check = checker("gated_rmsnorm")
+_check = Checker("gated_rmsnorm")
+_ARGS = {"y, z": Arg("... d_in", FLOAT, ROW), "weight": Arg("d_in")}
 
 
 @triton.jit
@@ -30,14 +31,8 @@ def _gated_rmsnorm_kernel(p_y, p_z, p_w, p_out, d_in, group_size, eps, stride_y,
 def gated_rmsnorm(y, z, weight, group_size: int, eps: float):
     """Triton version of gated_rmsnorm_ref: y, z (..., d_in) with unit last-dim stride (leading dims
     reshaped), weight (d_in,) contiguous; d_in % group_size == 0 -> new contiguous (..., d_in)."""
-    _check(y.shape == z.shape and y.dim() >= 1, f"y {tuple(y.shape)} and z {tuple(z.shape)} must be the same (..., d_in)")
-    d_in = z.shape[-1]
+    d_in = _check.args(_ARGS, y=y, z=z, weight=weight).d_in
     _check(group_size >= 1 and d_in % group_size == 0, f"d_in={d_in} not divisible by group_size={group_size}")
-    _check(weight.shape == (d_in,), f"weight must be (d_in={d_in},), got {tuple(weight.shape)}")
-    _check(y.device == z.device, "y and z must be on one device")
-    check_placed(_check, z.device, weight=weight)
-    _check(y.is_floating_point() and z.is_floating_point(), "y and z must be float tensors")
-    _check((y.stride(-1) == 1 and z.stride(-1) == 1) or y.numel() == 0, "y and z need unit stride on the last dim")
     out = torch.empty(z.shape, dtype=torch.promote_types(weight.dtype, z.dtype), device=z.device)
     y2, z2 = y.reshape(-1, d_in), z.reshape(-1, d_in)
     if y2.shape[0] == 0 or d_in == 0:

@@ -6,9 +6,10 @@ Program (b, i) copies block i (BLOCK_D elements) of that row to out[b].
 """
 import torch
 
-from nano_spec_kernels.common import check_placed, checker, tl, triton
+from nano_spec_kernels.common import INT, ROW, Arg, Checker, tl, triton
 
-_check = checker("gather_rows")
+_check = Checker("gather_rows")
+_ARGS = {"src": Arg("B K D", layout=ROW), "idx": Arg("B", INT)}
 
 
 @triton.jit
@@ -23,12 +24,8 @@ def _gather_rows_kernel(p_src, p_idx, p_out, D, s_src_b, s_src_k, s_out_b, BLOCK
 
 def gather_rows(src, idx):
     """Triton version of gather_rows_ref; idx must lie in [0, K) (not checked: a host sync)."""
-    _check(src.dim() == 3, f"src must be (B, K, D), got {tuple(src.shape)}")
-    Bsz, K, D = src.shape
-    _check(idx.shape == (Bsz,) and not idx.is_floating_point() and idx.dtype != torch.bool,
-           f"idx must be an integer tensor of shape ({Bsz},), got {idx.dtype} {tuple(idx.shape)}")
-    _check(src.stride(-1) == 1, "src must have a unit stride in its last dim")
-    check_placed(_check, src.device, idx=idx)
+    d = _check.args(_ARGS, src=src, idx=idx)
+    Bsz, D = d.B, d.D
     out = torch.empty((Bsz, D), dtype=src.dtype, device=src.device)
     if Bsz == 0 or D == 0:
         return out

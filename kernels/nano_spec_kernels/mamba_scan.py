@@ -21,12 +21,14 @@ channels on the fly (x of its head, B and C of its group, which every head block
 """
 import torch
 
-from nano_spec_kernels.common import (check_mamba_params, checker, conv_silu_ref, load_conv_taps, load_head_params,
-                            mamba_channels, mamba_dt, mamba_dt_ref, pow2, split_xbc, ssm_step_ref, tl, triton)
+from nano_spec_kernels.common import (FLOAT, ROW, Arg, Checker, conv_silu_ref, load_conv_taps, load_head_params,
+                                      mamba_channels, mamba_dt, mamba_dt_ref, pow2, split_xbc, ssm_step_ref, tl, triton)
 
 CHUNK = 32  # Q: tokens per chunk of the SSD form (tl.dot wants >= 16; 64 spills on sm_90 with N = 128)
 
-_check = checker("mamba_scan")
+_check = Checker("mamba_scan")
+_ARGS = {"xBC": Arg("T C", FLOAT, ROW), "dt": Arg("T H", FLOAT, ROW),
+         "conv_weight": Arg("C W"), "conv_bias": Arg("C"), "dt_bias, A_log, D": Arg("H")}
 
 
 @triton.jit
@@ -161,15 +163,13 @@ def mamba_scan(xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, n_groups: int
     """Triton version of mamba_scan_ref, plus `method`: "recurrent", "chunked" (SSD, chunks of CHUNK
     tokens) or "auto" (chunked on CUDA when T >= 2*CHUNK). xBC and dt may be row-strided views."""
     _check(method in ("auto", "recurrent", "chunked"), f"unknown method {method!r}")
-    _check(xBC.dim() == dt.dim() == 2 and xBC.is_floating_point() and dt.is_floating_point(),
-           f"xBC (T, C), dt (T, H) must be float: {xBC.dtype} {xBC.shape}, {dt.dtype} {dt.shape}")
-    T, C = xBC.shape
-    H, P, G = dt.shape[1], head_dim, n_groups
-    _check(dt.shape[0] == T and dt.device == xBC.device, f"dt must have xBC's {T} rows and device")
-    W = check_mamba_params(_check, xBC.device, C, H, G, conv_weight, conv_bias, dt_bias, A_log, D)
+    d = _check.args(_ARGS, xBC=xBC, dt=dt, conv_weight=conv_weight, conv_bias=conv_bias, dt_bias=dt_bias,
+                    A_log=A_log, D=D)
+    T, C, H, W, P, G = d.T, d.C, d.H, d.W, head_dim, n_groups
+    _check(W >= 2, f"conv_weight needs a window W >= 2, got {W}")
+    _check(G >= 1 and H % G == 0, f"H={H} not divisible by n_groups={G}")
     _check(P >= 1 and C > H * P and (C - H * P) % (2 * G) == 0, f"C={C} is not H*P={H * P} + 2*G*N")
     N = (C - H * P) // (2 * G)
-    _check((xBC.stride(1) == 1 and dt.stride(1) == 1) or T == 0, "xBC and dt need unit stride on the last dim")
 
     y = torch.empty(T, H, P, device=xBC.device, dtype=xBC.dtype)
     state = torch.empty(H, P, N, device=xBC.device, dtype=torch.float32)

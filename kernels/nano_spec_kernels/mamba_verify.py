@@ -23,10 +23,16 @@ The Triton version is two launches:
 """
 import torch
 
-from nano_spec_kernels.common import (check_mamba_params, check_placed, checker, conv_silu_ref, load_conv_taps,
-                            load_head_params, mamba_channels, mamba_dt, mamba_dt_ref, split_xbc, tl, triton)
+from nano_spec_kernels.common import (FLOAT, INT, ROW, Arg, Checker, conv_silu_ref, load_conv_taps, load_head_params,
+                                      mamba_channels, mamba_dt, mamba_dt_ref, split_xbc, tl, triton)
 
-_check = checker("mamba_verify")
+_check = Checker("mamba_verify")
+_ARGS = {
+    "xBC": Arg("B K C", FLOAT, ROW), "dt": Arg("B K H", FLOAT, ROW),
+    "conv_weight": Arg("C W"), "conv_bias": Arg("C"), "dt_bias, A_log, D": Arg("H"),
+    "ssm_state": Arg("S H P N", torch.float32), "ssm_stash": Arg("B K H P N", torch.float32),
+    "conv_state": Arg("S C W-1"), "conv_stash": Arg("B C W-1+K", "conv_state"), "slot_ids": Arg("B", INT),
+}
 
 
 @triton.jit
@@ -133,27 +139,13 @@ def mamba_verify(xBC, dt, conv_state, ssm_state, slot_ids, conv_weight, conv_bia
                  ssm_stash, conv_stash, n_groups: int, dt_limit=(0.0, float("inf"))):
     """Triton version of mamba_verify_ref (same arguments and writes). xBC and dt may be strided
     views with a unit last-dim stride; slot_ids must be distinct (not checked: no host sync)."""
-    _check(xBC.dim() == 3 and ssm_state.dim() == 4,
-           f"xBC (B, K, C), ssm_state (S, H, P, N) expected, got {xBC.shape}, {ssm_state.shape}")
-    Bsz, K, C = xBC.shape
-    S, H, P, N = ssm_state.shape
-    G = n_groups
-    W = check_mamba_params(_check, xBC.device, C, H, G, conv_weight, conv_bias, dt_bias, A_log, D)
+    d = _check.args(_ARGS, xBC=xBC, dt=dt, conv_weight=conv_weight, conv_bias=conv_bias, dt_bias=dt_bias, A_log=A_log,
+                    D=D, ssm_state=ssm_state, ssm_stash=ssm_stash, conv_state=conv_state, conv_stash=conv_stash,
+                    slot_ids=slot_ids)
+    Bsz, K, C, H, P, N, W, G = d.B, d.K, d.C, d.H, d.P, d.N, d.W, n_groups
+    _check(W >= 2, f"conv_weight needs a window W >= 2, got {W}")
+    _check(G >= 1 and H % G == 0, f"H={H} not divisible by n_groups={G}")
     _check(C == H * P + 2 * G * N, f"C={C} != H*P + 2*G*N = {H * P + 2 * G * N}")
-    for name, t, shape in (("dt", dt, (Bsz, K, H)), ("slot_ids", slot_ids, (Bsz,)),
-                           ("conv_state", conv_state, (S, C, W - 1)),
-                           ("ssm_stash", ssm_stash, (Bsz, K, H, P, N)),
-                           ("conv_stash", conv_stash, (Bsz, C, W - 1 + K))):
-        _check(t.shape == shape, f"{name} must be {shape}, got {tuple(t.shape)}")
-    _check(xBC.is_floating_point() and dt.is_floating_point(), "xBC and dt must be float tensors")
-    _check(not slot_ids.is_floating_point() and slot_ids.dtype != torch.bool, "slot_ids must be an integer tensor")
-    _check(ssm_state.dtype == ssm_stash.dtype == torch.float32, "ssm_state, ssm_stash must be fp32")
-    _check(conv_stash.dtype == conv_state.dtype, "conv_stash must have conv_state's dtype")
-    _check(xBC.stride(-1) == dt.stride(-1) == 1, "xBC and dt need unit stride on the last dim")
-    _check(dt.device == xBC.device, "dt must be on xBC's device")
-    check_placed(_check, xBC.device, conv_state=conv_state, ssm_state=ssm_state,
-                 ssm_stash=ssm_stash, conv_stash=conv_stash, slot_ids=slot_ids)
-
     y = torch.empty(Bsz, K, H, P, device=xBC.device, dtype=xBC.dtype)
     if Bsz == 0 or K == 0:
         return y

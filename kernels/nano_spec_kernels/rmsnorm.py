@@ -8,9 +8,10 @@ pass over the row does both. The Triton version runs one program per row, roundi
 """
 import torch
 
-from nano_spec_kernels.common import check_placed, checker, rms_normalize, tl, triton
+from nano_spec_kernels.common import FLOAT, ROW, Arg, Checker, rms_normalize, tl, triton
 
-_check = checker("rmsnorm")
+_check = Checker("rmsnorm")
+_ARGS = {"x": Arg("... D", FLOAT, ROW), "residual": Arg("... D", "x", ROW), "weight": Arg("D")}
 
 
 @triton.jit
@@ -36,14 +37,7 @@ def _rmsnorm_kernel(p_x, p_res, p_w, p_y, p_h, D, eps, multiplier, stride_x, str
 def rmsnorm(x, weight, eps: float, residual=None, multiplier: float = 1.0):
     """Triton version of rmsnorm_ref. x and residual need a unit last-dim stride (other dims are
     flattened, copied if need be); y and a residual's h are new contiguous tensors."""
-    _check(x.dim() >= 1 and x.is_floating_point(), "x must be a float (..., D) tensor")
-    D = x.shape[-1]
-    _check(weight.shape == (D,), f"weight must be (D={D},), got {tuple(weight.shape)}")
-    check_placed(_check, x.device, weight=weight)
-    r = x if residual is None else residual
-    _check(r.shape == x.shape and r.dtype == x.dtype and r.device == x.device,
-           f"residual must match x: {tuple(x.shape)} {x.dtype}")
-    _check(x.stride(-1) == r.stride(-1) == 1 or x.numel() == 0, "x and residual need unit stride")
+    D = _check.args(_ARGS, x=x, residual=residual, weight=weight).D
     x2 = x.reshape(-1, D)
     y = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     h = x if residual is None else torch.empty_like(x, memory_format=torch.contiguous_format)

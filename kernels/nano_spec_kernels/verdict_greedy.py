@@ -1,7 +1,7 @@
 """Greedy verdict in one pass over the logits.
 
 For logits (B, K, V): picks[b, j] = argmax (the first maximal index on ties) and na[b] = the number of leading
-drafts equal to the pick of their row, clamped to num_drafts[b] (the valid drafts; the rest of the (B, K-1)
+drafts equal to the pick of their row, clamped to nd[b] (the valid drafts; the rest of the (B, K-1)
 drafts are padding). An optional grammar bitmask (B, K, W = ceil(V / 32)) int32 restricts row (b, j) to the
 tokens whose bit is set (bit t % 32 of word t // 32, llguidance's packing): the others count as -inf inside
 the pass, and the logits are never written.
@@ -13,9 +13,11 @@ programs for the device when V is 100k+; the split count depends on shapes only.
 """
 import torch
 
-from nano_spec_kernels.common import check_verdict, checker, split_chunks, tl, triton
+from nano_spec_kernels.common import FLOAT, INT, ROW, STRIDED, Arg, Checker, split_chunks, tl, triton
 
-_check = checker("verdict_greedy")
+_check = Checker("verdict_greedy")
+_ARGS = {"logits": Arg("B K V", FLOAT, ROW), "drafts": Arg("B K-1", INT, STRIDED), "nd": Arg("B", INT)}
+_MASK = {"bitmask": Arg("B K W", torch.int32, ROW)}  # W = ceil(V / 32) words, bound by the launcher
 
 
 @triton.jit
@@ -73,17 +75,13 @@ def _verdict_kernel(
     tl.store(p_na + i_b, b_na.to(tl.int64))
 
 
-def _verdict_greedy(logits, drafts, num_drafts, bitmask=None, block_v=None, num_splits=None):
+def _verdict_greedy(logits, drafts, nd, bitmask=None, block_v=None, num_splits=None):
     """verdict_greedy with the tile and split sizes exposed (tests force several of each)."""
-    Bsz, K, V = check_verdict(_check, logits, drafts, num_drafts)
-    _check(logits.stride(-1) == 1, "logits must have a unit stride in its last dim")
-    if bitmask is not None:
-        W = triton.cdiv(V, 32)
-        _check(bitmask.shape == (Bsz, K, W) and bitmask.dtype == torch.int32,
-               f"bitmask must be int32 ({Bsz}, {K}, {W}), got {bitmask.dtype} {tuple(bitmask.shape)}")
-        _check(bitmask.stride(-1) == 1 and bitmask.device == logits.device,
-               "bitmask must have a unit stride in its last dim and be on the logits' device")
-    dev = logits.device
+    dims = _check.args(_ARGS, logits=logits, drafts=drafts, nd=nd)
+    Bsz, K, V, dev = dims.B, dims.K, dims.V, dims.device
+    _check(K >= 1 and V >= 1, f"logits needs K >= 1 and V >= 1, got {tuple(logits.shape)}")
+    dims.W = (V + 31) // 32
+    _check.args(_MASK, dims, bitmask=bitmask)
     picks = torch.empty((Bsz, K), dtype=torch.int64, device=dev)
     na = torch.empty((Bsz,), dtype=torch.int64, device=dev)
     if Bsz == 0:
@@ -97,15 +95,15 @@ def _verdict_greedy(logits, drafts, num_drafts, bitmask=None, block_v=None, num_
     _row_stats_kernel[(Bsz * K, splits)](logits, m, pm, pa, V, chunk, *logits.stride()[:2], *m.stride()[:2],
                                          K=K, SPLITS=splits, BLOCK_V=BLOCK_V, HAS_MASK=bitmask is not None)
     d = drafts if K > 1 else picks  # never read when K = 1
-    _verdict_kernel[(Bsz,)](pm, pa, d, num_drafts, picks, na, V, *d.stride(),
+    _verdict_kernel[(Bsz,)](pm, pa, d, nd, picks, na, V, *d.stride(),
                             K=K, SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits))
     return picks, na
 
 
-def verdict_greedy(logits, drafts, num_drafts, bitmask=None):
+def verdict_greedy(logits, drafts, nd, bitmask=None):
     """Triton version of verdict_greedy_ref (same signature and outputs). NaN logits are not
     handled (torch.argmax would pick them)."""
-    return _verdict_greedy(logits, drafts, num_drafts, bitmask)
+    return _verdict_greedy(logits, drafts, nd, bitmask)
 
 
 def unpack_bitmask(bitmask, V: int):
@@ -114,14 +112,14 @@ def unpack_bitmask(bitmask, V: int):
     return ((bitmask[..., None] >> shifts) & 1).flatten(-2)[..., :V].bool()
 
 
-def verdict_greedy_ref(logits, drafts, num_drafts, bitmask=None):
-    """logits (B, K, V), drafts (B, K-1) int64, num_drafts (B,) int64, bitmask (B, K, W) int32 or None ->
+def verdict_greedy_ref(logits, drafts, nd, bitmask=None):
+    """logits (B, K, V), drafts (B, K-1) int64, nd (B,) int64, bitmask (B, K, W) int32 or None ->
     (picks (B, K) int64, na (B,) int64)."""
     lf = logits.float()
     if bitmask is not None:
         lf = lf.masked_fill(~unpack_bitmask(bitmask, lf.shape[-1]), float("-inf"))
     picks = lf.argmax(-1)  # (B, K)
     K = logits.shape[1]
-    match = (drafts == picks[:, : K - 1]) & (torch.arange(K - 1, device=logits.device) < num_drafts[:, None])
+    match = (drafts == picks[:, : K - 1]) & (torch.arange(K - 1, device=logits.device) < nd[:, None])
     na = match.long().cumprod(-1).sum(-1)
     return picks, na

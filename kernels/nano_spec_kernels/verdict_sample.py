@@ -27,9 +27,15 @@ consistent and a draw never runs past the last token with mass except where the 
 """
 import torch
 
-from nano_spec_kernels.common import check_verdict, checker, tl, triton
+from nano_spec_kernels.common import FLOAT, INT, ROW, STRIDED, Arg, Checker, one_of, tl, triton
 
-_check = checker("verdict_sample")
+_check = Checker("verdict_sample")
+_ARGS = {  # logits and uniforms go through torch, drafts by strides; the kernel reads nd[b] at b
+    "logits": Arg("B K V", FLOAT, STRIDED), "draft_probs": Arg("B K-1 V", FLOAT, ROW),
+    "drafts": Arg("B K-1", INT, STRIDED), "nd": Arg("B", INT),
+    "uniforms": Arg("B K", one_of(torch.float32, torch.float64), STRIDED),
+    "temperature, top_k, top_p": Arg("B", layout=STRIDED),
+}
 
 
 @triton.jit
@@ -104,19 +110,12 @@ def _verdict_sample_kernel(
     tl.store(p_tok + o_b, tl.minimum(b_cnt, V - 1), mask=m_b)
 
 
-def _verdict_sample(logits, draft_probs, drafts, num_drafts, uniforms, temperature, top_k, top_p, block_v=None):
+def _verdict_sample(logits, draft_probs, drafts, nd, uniforms, temperature, top_k, top_p, block_v=None):
     """verdict_sample with the V tile exposed (tests force several tiles)."""
-    Bsz, K, V = check_verdict(_check, logits, drafts, num_drafts)
-    _check(draft_probs.shape == (Bsz, K - 1, V) and draft_probs.is_floating_point(),
-           f"draft_probs must be float ({Bsz}, {K - 1}, {V}), got {draft_probs.dtype} {tuple(draft_probs.shape)}")
-    _check(uniforms.shape == (Bsz, K) and uniforms.dtype in (torch.float32, torch.float64),
-           f"uniforms must be fp32/fp64 ({Bsz}, {K}), got {uniforms.dtype} {tuple(uniforms.shape)}")
-    for name, t in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p)):
-        _check(t.shape == (Bsz,), f"{name} must be ({Bsz},), got {tuple(t.shape)}")
-    others = (draft_probs, uniforms, temperature, top_k, top_p)
-    _check(all(t.device == logits.device for t in others), "all tensors must be on one device")
-    _check(K == 1 or draft_probs.stride(-1) == 1, "draft_probs must have a unit stride in its last dim")
-    dev = logits.device
+    dims = _check.args(_ARGS, logits=logits, draft_probs=draft_probs, drafts=drafts, nd=nd,
+                       uniforms=uniforms, temperature=temperature, top_k=top_k, top_p=top_p)
+    Bsz, K, V, dev = dims.B, dims.K, dims.V, dims.device
+    _check(K >= 1 and V >= 1, f"logits needs K >= 1 and V >= 1, got {tuple(logits.shape)}")
     na = torch.empty((Bsz,), dtype=torch.int64, device=dev)
     token = torch.empty((Bsz,), dtype=torch.int64, device=dev)
     if Bsz == 0:
@@ -127,17 +126,17 @@ def _verdict_sample(logits, draft_probs, drafts, num_drafts, uniforms, temperatu
     # small vocabularies: several sequences per program, tiles of about 2k elements
     BLOCK_B = min(max(1, 2048 // BLOCK_V), triton.next_power_of_2(Bsz), 256)
     _verdict_sample_kernel[(triton.cdiv(Bsz, BLOCK_B),)](
-        p, q, d, num_drafts, uniforms, na, token, Bsz, V,
+        p, q, d, nd, uniforms, na, token, Bsz, V,
         q.stride(0), q.stride(1), d.stride(0), d.stride(1) if K > 1 else 0, uniforms.stride(0), uniforms.stride(1),
         K=K, BLOCK_B=BLOCK_B, BLOCK_V=BLOCK_V,
     )
     return na, token
 
 
-def verdict_sample(logits, draft_probs, drafts, num_drafts, uniforms, temperature, top_k, top_p):
+def verdict_sample(logits, draft_probs, drafts, nd, uniforms, temperature, top_k, top_p):
     """Triton version of verdict_sample_ref (same signature; (na, token) equal for the same uniforms,
     up to the cumsum rounding discussed in the module docstring)."""
-    return _verdict_sample(logits, draft_probs, drafts, num_drafts, uniforms, temperature, top_k, top_p)
+    return _verdict_sample(logits, draft_probs, drafts, nd, uniforms, temperature, top_k, top_p)
 
 
 def sampling_probs_ref(logits, temperature, top_k, top_p):
@@ -162,8 +161,8 @@ def sampling_probs_ref(logits, temperature, top_k, top_p):
     return torch.zeros_like(sp).scatter(-1, order, sp)
 
 
-def verdict_sample_ref(logits, draft_probs, drafts, num_drafts, uniforms, temperature, top_k, top_p):
-    """logits (B, K, V); draft_probs (B, K-1, V); drafts (B, K-1) int64; num_drafts (B,) int64;
+def verdict_sample_ref(logits, draft_probs, drafts, nd, uniforms, temperature, top_k, top_p):
+    """logits (B, K, V); draft_probs (B, K-1, V); drafts (B, K-1) int64; nd (B,) int64;
     uniforms (B, K) in [0, 1); temperature, top_k, top_p (B,) -> (na (B,) int64, token (B,) int64)."""
     Bsz, K, V = logits.shape
     p = sampling_probs_ref(logits, temperature, top_k, top_p)  # (B, K, V)
@@ -171,7 +170,7 @@ def verdict_sample_ref(logits, draft_probs, drafts, num_drafts, uniforms, temper
     if K > 1:
         p_d = p[:, : K - 1].gather(-1, drafts[..., None])[..., 0]  # (B, K-1)
         q_d = draft_probs.float().gather(-1, drafts[..., None])[..., 0]
-        ok = (uniforms[:, : K - 1] * q_d < p_d) & (torch.arange(K - 1, device=logits.device) < num_drafts[:, None])
+        ok = (uniforms[:, : K - 1] * q_d < p_d) & (torch.arange(K - 1, device=logits.device) < nd[:, None])
         na = ok.long().cumprod(-1).sum(-1)
     else:
         na = torch.zeros(Bsz, dtype=torch.long, device=logits.device)
@@ -181,7 +180,7 @@ def verdict_sample_ref(logits, draft_probs, drafts, num_drafts, uniforms, temper
         resid = (target - q_na).clamp(min=0)
         # p == q exactly makes a rejection impossible; fall back to p if rounding produced one
         resid = torch.where(resid.sum(-1, keepdim=True) > 0, resid, target)
-        target = torch.where((na < num_drafts)[:, None], resid, target)
+        target = torch.where((na < nd)[:, None], resid, target)
     cdf = target.cumsum(-1)
     thresh = uniforms[:, K - 1 : K] * cdf[:, -1:]
     token = (cdf <= thresh).sum(-1).clamp(max=V - 1)
