@@ -11,10 +11,12 @@ A proposer is any object with
 It keeps its own state, indexed by `seq.slot` (the MTP head keeps its KV rows and the
 row that draft 1 grows from), and never writes the engine's. `uniforms` (B, γ) is its
 random draw, None when every row is greedy. γ <= γ_max is fixed or chosen per step
-(planner.py); it may be 0, and a proposer with state still catches up then. A sequence
-with a grammar carries its `constraint` (grammar.py): drafts the grammar refuses are
-only ever rejected, and a sampled draft's q must be the masked distribution it was
-drawn from (DESIGN §11). `LLM(proposer=...)` takes a name or such an object.
+(planner.py); draft is not called at γ = 0, but catch_up is. A sequence with a grammar
+carries its `constraint` (grammar.py): drafts the grammar refuses are only ever
+rejected, and a sampled draft's q must be the masked distribution it was drawn from
+(DESIGN §11). `LLM(proposer=...)` takes a name or such an object; its draft ids are
+checked on the device every step (the built-in proposers are `trusted`: their ids come
+from the model's logits or the sequence's own tokens).
 
 `none`  plain decoding (γ = 0).
 `ngram` prompt lookup: the continuation of the latest earlier occurrence of the
@@ -70,6 +72,7 @@ def ngram_lookup(tokens: list, gamma: int, max_n: int = 3) -> list:
 
 class NoProposer:
     max_drafts = 0
+    trusted = True  # its draft ids are in range by construction: the engine need not check them
 
     def admit(self, seq, hidden, first):
         pass
@@ -117,6 +120,7 @@ class NgramProposer(NoProposer):
 class MTPProposer:
     """The checkpoint's MTP head. Its state per slot: the KV rows of its attention layer, and `seed`, its output
     at the last accepted position, which draft 1 is read from (DESIGN §4)."""
+    trusted = True
 
     def __init__(self, model, max_drafts: int, num_slots: int, max_len: int):
         self.model, self.max_drafts = model, max_drafts

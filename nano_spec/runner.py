@@ -54,6 +54,8 @@ class ModelRunner:
         self.seq_lens = torch.zeros(num_slots, dtype=torch.long, device=self.device)  # (S,)
         self.last = torch.zeros(num_slots, dtype=torch.long, device=self.device)      # (S,) last emitted token
         self.sampling = BatchSampling.of([SamplingParams()] * num_slots, self.device)
+        self.no_drafts = Drafts(torch.zeros(num_slots, 0, dtype=torch.long, device=self.device),  # γ = 0 steps
+                                torch.zeros(num_slots, dtype=torch.long, device=self.device), None)
 
     @torch.no_grad()
     def admit(self, seq) -> RowResult:
@@ -70,11 +72,11 @@ class ModelRunner:
             mask = None if seq.constraint is None else seq.constraint.mask()[None].to(self.device)  # (1, W)
             first, _ = sampling.pick(logits, self._uniforms([seq], 1, sampling, 0), mask)  # draw "first token"
             self.seq_lens[seq.slot], self.last[seq.slot] = len(seq.tokens), first[0]
-        with self.tel.phase("catch_up"):
-            self.proposer.admit(seq, hidden, first)
-        zero = torch.zeros_like(first)  # (1,): no drafts, none accepted
-        return self._results(logits[:, None], first[:, None], zero, Drafts(zero[:, None][:, :0], zero, None),
-                             zero.bool(), [seq])[0]
+        if self.max_drafts:
+            with self.tel.phase("catch_up"):
+                self.proposer.admit(seq, hidden, first)
+        none = Drafts(self.no_drafts.tokens[:1], self.no_drafts.nd[:1], None)  # no drafts, none accepted or refused
+        return self._results(logits[:, None], first[:, None], none.nd, none, none.nd, [seq])[0]
 
     @torch.no_grad()
     def step(self, seqs, gamma: int) -> list:
@@ -82,12 +84,16 @@ class ModelRunner:
         B, K, phase = len(seqs), gamma + 1, self.tel.phase
         slots = self.slot_ids(seqs)
         sampling = self.sampling.select(slots, all(s.params.greedy for s in seqs))
-        with phase("propose"):
-            u = self._uniforms(seqs, gamma, sampling)  # draw "drafts"
-            drafts, refused = self._checked(self.proposer.draft(seqs, gamma, u), B, gamma)
+        drafts, refused = Drafts(self.no_drafts.tokens[:B], self.no_drafts.nd[:B], None), self.no_drafts.nd[:B]
+        if gamma:
+            with phase("propose"):
+                u = self._uniforms(seqs, gamma, sampling)  # draw "drafts"
+                drafts = self.proposer.draft(seqs, gamma, u)
+                if not getattr(self.proposer, "trusted", False):
+                    drafts, refused = self._checked(drafts, B, gamma)
         with phase("verify"):
             seq_lens = self.seq_lens[slots]
-            rows = torch.cat([self.last[slots, None], drafts.tokens], dim=1)  # (B, K)
+            rows = torch.cat([self.last[slots, None], drafts.tokens], dim=1) if gamma else self.last[slots, None]
             logits = self.model.verify(rows, slots, seq_lens, self.cache, max(s.seq_len for s in seqs) + K)
         bitmask = None
         if any(s.constraint is not None for s in seqs):  # host work only for batches with a grammar
@@ -104,8 +110,10 @@ class ModelRunner:
                 c = self.cache
                 self.model.ops.commit_state(c.ssm_state, c.conv_state, c.ssm_stash(B, K), c.conv_stash(B, K),
                                             slots, na, na < gamma)
-        with phase("catch_up"):
-            self.proposer.catch_up(seqs, VerifiedRows(slots, seq_lens, emitted, self.cache.hidden_stash(B, K)), na)
+        if self.max_drafts:  # a proposer that drafts follows every step, γ = 0 ones too
+            with phase("catch_up"):
+                rows = VerifiedRows(slots, seq_lens, emitted, self.cache.hidden_stash(B, K))
+                self.proposer.catch_up(seqs, rows, na)
         with phase("copy"):
             return self._results(logits, emitted, na, drafts, refused, seqs)
 
@@ -119,7 +127,7 @@ class ModelRunner:
         return u if column is None else u[:, column]
 
     def _checked(self, drafts: Drafts, B: int, gamma: int) -> tuple:
-        """The proposer's drafts at the boundary -> (drafts safe to verify, refused (B,) bool).
+        """The proposer's drafts at the boundary -> (drafts safe to verify, refused (B,)).
 
         A wrong shape is the proposer's fault for the whole batch: the step fails. A draft id outside
         [0, V) refuses only its row, checked on the device: the flag travels with the step's one copy and the
@@ -130,9 +138,9 @@ class ModelRunner:
             raise ValueError(f"proposer: drafts {tuple(t.shape)}, nd {tuple(nd.shape)}, probs "
                              f"{None if q is None else tuple(q.shape)} for B={B}, γ={gamma}; expected integer "
                              f"({B}, {gamma}), ({B},) and None or ({B}, {gamma}, {self.cfg.vocab_size})")
-        refused = ((t < 0) | (t >= self.cfg.vocab_size)).any(1)  # (B,)
-        nd = torch.where(refused, 0, nd.clamp(0, gamma))
-        return Drafts(torch.where(refused[:, None], 0, t), nd, q), refused
+        safe = t.clamp(0, self.cfg.vocab_size - 1)
+        refused = (safe != t).any(1)  # (B,)
+        return Drafts(safe, torch.where(refused, 0, nd.clamp(0, gamma)), q), refused
 
     def _q(self, drafts: Drafts, sampling: BatchSampling):
         """(B, γ, V) the distribution each draft was drawn from (one-hot for a deterministic proposer)."""
@@ -146,7 +154,7 @@ class ModelRunner:
         # only rows 0..na are used (padding rows and rows past a rejection are not): only they must be finite
         unused = torch.arange(logits.shape[1], device=logits.device) > na[:, None]  # (B, K)
         finite = (torch.isfinite(logits).all(-1) | unused).all(-1)  # (B,)
-        flags = torch.stack([na, drafts.nd, finite.long(), refused.long()], dim=1)
+        flags = torch.stack([na, drafts.nd, finite, refused], dim=1)  # (B, 4) long
         packed = torch.cat([flags, emitted, drafts.tokens], dim=1).tolist()
         top_n = max(s.params.logprobs for s in seqs)
         if top_n:  # chosen (B, K), top values and ids (B, K, n) as host lists

@@ -84,10 +84,12 @@ class BatchSampling:
                    top_p=torch.tensor([float(p.top_p) for p in params], device=device),
                    all_greedy=all(greedy))
 
-    def select(self, idx, all_greedy: bool | None = None) -> "BatchSampling":
-        """The rows idx; all_greedy, known on the host, is kept from the whole batch unless given."""
-        return BatchSampling(self.greedy[idx], self.temperature[idx], self.top_k[idx], self.top_p[idx],
-                             self.all_greedy if all_greedy is None else all_greedy)
+    def select(self, idx, all_greedy: bool) -> "BatchSampling":
+        """The rows idx; all_greedy is known on the host. An all-greedy batch reads no per-row setting, so
+        nothing is gathered for it."""
+        if all_greedy:
+            return GREEDY
+        return BatchSampling(self.greedy[idx], self.temperature[idx], self.top_k[idx], self.top_p[idx], False)
 
     def write(self, row: int, one: "BatchSampling"):
         """Row `row` takes the settings of a one-row BatchSampling (per-slot settings, at admission)."""
@@ -106,6 +108,9 @@ class BatchSampling:
         cdf = probs.cumsum(-1)
         drawn = (cdf <= uniforms[:, None] * cdf[:, -1:]).sum(-1).clamp(max=logits.shape[-1] - 1)
         return torch.where(self.greedy, greedy_tok, drawn), probs
+
+
+GREEDY = BatchSampling(None, None, None, None, all_greedy=True)  # every row greedy: argmax, no settings read
 
 
 def masked(logits, bitmask):

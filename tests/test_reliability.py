@@ -151,17 +151,20 @@ def test_fault_in_one_sequence_ends_only_it(ckpt, reference, monkeypatch, where,
     """A fault that belongs to one row: a draft id outside the vocabulary, or an exception in its admission."""
     llm = LLM(ckpt, proposer="mtp", num_drafts=3, max_batch=4)
     victim = {"seq": None}
-    if where == "proposer":
-        real_draft = llm.proposer.draft
-        bad = llm.model.cfg.vocab_size if bad_id == "V" else bad_id
+    if where == "proposer":  # an object of the caller's, so its ids are checked: it corrupts the victim's row
+        inner, bad = llm.proposer, llm.model.cfg.vocab_size if bad_id == "V" else bad_id
 
-        def draft(seqs, gamma, uniforms):
-            d = real_draft(seqs, gamma, uniforms)
-            if victim["seq"] in seqs and len(victim["seq"].generated) > 3:
-                d.tokens[seqs.index(victim["seq"]), gamma - 1] = bad
-            return d
+        class Corrupting:
+            max_drafts = inner.max_drafts
+            admit, catch_up = inner.admit, inner.catch_up
 
-        monkeypatch.setattr(llm.proposer, "draft", draft)
+            def draft(self, seqs, gamma, uniforms):
+                d = inner.draft(seqs, gamma, uniforms)
+                if victim["seq"] in seqs and len(victim["seq"].generated) > 3:
+                    d.tokens[seqs.index(victim["seq"]), gamma - 1] = bad
+                return d
+
+        llm.runner.proposer = Corrupting()
     else:
         real_prefill = llm.model.prefill
 
