@@ -75,8 +75,8 @@ class ModelRunner:
         if self.max_drafts:
             with self.tel.phase("catch_up"):
                 self.proposer.admit(seq, hidden, first)
-        none = Drafts(self.no_drafts.tokens[:1], self.no_drafts.nd[:1], None)  # no drafts, none accepted or refused
-        return self._results(logits[:, None], first[:, None], none.nd, none, none.nd, [seq])[0]
+        none, refused = self._no_drafts(1)
+        return self._results(logits[:, None], first[:, None], none.nd, none, refused, [seq])[0]
 
     @torch.no_grad()
     def step(self, seqs, gamma: int) -> list:
@@ -84,7 +84,7 @@ class ModelRunner:
         B, K, phase = len(seqs), gamma + 1, self.tel.phase
         slots = self.slot_ids(seqs)
         sampling = self.sampling.select(slots, all(s.params.greedy for s in seqs))
-        drafts, refused = Drafts(self.no_drafts.tokens[:B], self.no_drafts.nd[:B], None), self.no_drafts.nd[:B]
+        drafts, refused = self._no_drafts(B)
         if gamma:
             with phase("propose"):
                 u = self._uniforms(seqs, gamma, sampling)  # draw "drafts"
@@ -118,6 +118,11 @@ class ModelRunner:
             return self._results(logits, emitted, na, drafts, refused, seqs)
 
     # ---- helpers -------------------------------------------------------------------
+    def _no_drafts(self, B: int) -> tuple:
+        """(no drafts for B rows, none refused): what a γ = 0 step and an admission verify."""
+        nd = self.no_drafts.nd[:B]  # (B,) zeros
+        return Drafts(self.no_drafts.tokens[:B], nd, None), nd
+
     def _uniforms(self, seqs, n: int, sampling: BatchSampling, column: int | None = None):
         """(B, n) uniforms, each row from its sequence's own generator (reproducible per request); None when
         every row is greedy or n is 0. column: that column only, (B,)."""

@@ -104,32 +104,40 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def step(self, focus: set | None = None) -> StepReport:
-        """One engine step: admit what fits, then one speculative step of every live sequence. focus: the ids
-        a caller waits for; the other sequences keep their place and slot and wait, unless none of focus can
-        run (every slot is held by others): then all run, so that slots come free."""
+        """One engine step: admit what fits, then one speculative step of every live sequence."""
         report = StepReport(self.steps)
         self.steps += 1
         self.tel.begin_step()
-        wanted = lambda s: focus is None or s.id in focus  # noqa: E731
-        while self.free_slots and any(map(wanted, self.waiting)):            # schedule
-            seq = next(filter(wanted, self.waiting))
-            self.waiting.remove(seq)
-            self._admit(seq, report)
-        batch = [s for s in self.running if wanted(s)] or ([] if report.admitted else list(self.running))
+        batch = self._schedule(report, focus)                                  # schedule
         if batch:
             gamma = self.planner.choose(len(batch)) if self.planner else self.runner.max_drafts
             t0, spent = self.tel.clock(), self.tel.proposer_seconds()
             results = self._call(batch, "step", self.runner.step, batch, gamma)  # run
             if results is None:
                 report.failed += [s.id for s in batch]
-            for seq, r in zip(batch, results or []):                         # postprocess
-                report.rows.append(self._apply(seq, r))
-            if self.planner and results:
-                self.planner.observe_step(len(batch), gamma, self.tel.clock() - t0, self.tel.proposer_seconds() - spent,
-                                          [(r.na, len(r.drafts)) for r in results if r.error is None])
+            else:                                                              # postprocess
+                report.rows += [self._apply(seq, r) for seq, r in zip(batch, results)]
+                self._observe(len(batch), gamma, t0, spent, results)
             self._release(batch)
         report.phase_seconds = dict(self.tel.step_seconds)
         return report
+
+    def _schedule(self, report: StepReport, focus: set | None) -> list:
+        """Admit waiting requests into free slots -> this step's batch. focus: the ids a caller waits for; the
+        other sequences keep their place and slot and wait, unless none of focus can run (every slot is held by
+        others): then all run, so that slots come free."""
+        wanted = lambda s: focus is None or s.id in focus  # noqa: E731
+        while self.free_slots and any(map(wanted, self.waiting)):
+            seq = next(filter(wanted, self.waiting))
+            self.waiting.remove(seq)
+            self._admit(seq, report)
+        return [s for s in self.running if wanted(s)] or ([] if report.admitted else list(self.running))
+
+    def _observe(self, B: int, gamma: int, t0: float, spent: float, results: list):
+        """The planner learns the step's time (and the proposer's share) and its accept counts."""
+        if self.planner:
+            self.planner.observe_step(B, gamma, self.tel.clock() - t0, self.tel.proposer_seconds() - spent,
+                                      [(r.na, len(r.drafts)) for r in results if r.error is None])
 
     def _admit(self, seq: Sequence, report: StepReport):
         seq.slot = self.free_slots.pop(0)

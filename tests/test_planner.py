@@ -106,7 +106,7 @@ def test_probes_keep_neighbours_measured_and_decay_follows_a_change():
     assert p.choose(4) == 4
     picks = [p.choose(4) for _ in range(3 * PROBE)]
     assert {3, 0} <= set(picks)  # the neighbour and plain decoding are probed
-    feed(p, 4, cost, (0.05,) * 4, 300, seed=1)  # the drafter stops being right
+    feed(p, 4, cost, (0.05,) * 4, 300, seed=1)  # the proposer stops being right
     assert [p.choose(4) for _ in range(PROBE)].count(0) >= PROBE - 1  # all but the probe
 
 
