@@ -13,7 +13,7 @@ The stashes are written by a verify over B sequences x K rows:
     conv_stash     (Lm, B, C, W-1+K)        the window before the step, then the K new inputs
     hidden_stash   (B, K, D)                final-normed hidden of each row (seeds the MTP)
 
-They live in flat buffers sized for (max_batch, max_k) and are viewed at the
+They live in flat buffers sized for (S, max_k) and are viewed at the
 step's (B, K), so every view is contiguous. A proposer keeps its own state
 (the MTP head's KV rows live in proposers.MTPProposer).
 """
@@ -22,25 +22,22 @@ import torch
 from nano_spec.config import ModelConfig
 
 
-def cache_bytes(cfg: ModelConfig, num_slots: int, max_seq_len: int, max_batch: int, max_k: int,
-                dtype: torch.dtype) -> dict:
+def cache_bytes(cfg: ModelConfig, num_slots: int, max_seq_len: int, max_k: int, dtype: torch.dtype) -> dict:
     """Bytes of every buffer, counted on the meta device before anything is allocated."""
-    c = HybridCache(cfg, num_slots, max_seq_len, max_k, "meta", dtype, max_batch)
-    parts = {"kv": (c.k, c.v), "conv_state": (c.conv_state,),
-             "ssm_state": (c.ssm_state,), "ssm_stash": (c._ssm_stash,), "conv_stash": (c._conv_stash,),
-             "hidden_stash": (c._hidden_stash,)}
+    c = HybridCache(cfg, num_slots, max_seq_len, max_k, "meta", dtype)
+    parts = {"kv": (c.k, c.v), "conv_state": (c.conv_state,), "ssm_state": (c.ssm_state,),
+             "ssm_stash": (c._ssm_stash,), "conv_stash": (c._conv_stash,), "hidden_stash": (c._hidden_stash,)}
     return {name: sum(t.numel() * t.element_size() for t in ts) for name, ts in parts.items()}
 
 
 class HybridCache:
-    def __init__(self, cfg: ModelConfig, num_slots: int, max_seq_len: int, max_k: int,
-                 device="cpu", dtype=torch.float32, max_batch: int | None = None):
+    def __init__(self, cfg: ModelConfig, num_slots: int, max_seq_len: int, max_k: int, device="cpu",
+                 dtype=torch.float32):
         self.cfg, self.num_slots, self.max_seq_len, self.max_k = cfg, num_slots, max_seq_len, max_k
-        self.max_batch = num_slots if max_batch is None else max_batch  # a verify holds at most one row per slot
         La, Lm = len(cfg.attention_layers), len(cfg.mamba_layers)
         H, P, N, C, W = cfg.mamba_n_heads, cfg.mamba_d_head, cfg.mamba_d_state, cfg.conv_dim, cfg.mamba_d_conv
         Hkv, Dh = cfg.num_key_value_heads, cfg.head_dim
-        S, B = num_slots, self.max_batch
+        S = B = num_slots  # a verify holds at most one row per slot
         kw = dict(device=device, dtype=dtype)
         self.k = torch.zeros(La, S, max_seq_len, Hkv, Dh, **kw)
         self.v = torch.zeros_like(self.k)
@@ -66,7 +63,7 @@ class HybridCache:
         return self._view(self._hidden_stash, (B, K, self.cfg.hidden_size), B, K)
 
     def _view(self, flat, shape, B, K):
-        if not (1 <= K <= self.max_k and 1 <= B <= self.max_batch):
+        if not (1 <= K <= self.max_k and 1 <= B <= self.num_slots):
             raise ValueError(f"a verify of B={B} x K={K} exceeds the cache ({self.num_slots} slots, max_k={self.max_k})")
         return flat[: torch.Size(shape).numel()].view(shape)
 

@@ -39,7 +39,7 @@ def memory_parts(cfg: ModelConfig, max_batch: int, max_seq_len: int, max_drafts:
     """Bytes of the weights, of every cache and stash, and of the MTP proposer's state when mtp
     (nothing is allocated)."""
     rows = cache_len(max_seq_len, max_drafts)
-    caches = cache_bytes(cfg, max_batch, rows, max_batch, max_drafts + 1, dtype)
+    caches = cache_bytes(cfg, max_batch, rows, max_drafts + 1, dtype)
     probs = max_batch * max_drafts * cfg.vocab_size * 4  # a sampled step's q (B, γ, V)
     mtp_kv = MTPProposer.state_bytes(cfg, max_batch, rows, dtype) if mtp else 0
     return {"weights": weights, **caches, "mtp_kv": mtp_kv, "draft_probs": probs}

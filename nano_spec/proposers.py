@@ -71,22 +71,16 @@ def ngram_lookup(tokens: list, gamma: int, max_n: int = 3) -> list:
 
 
 class NoProposer:
+    """Plain decoding: with max_drafts 0 the runner calls none of the methods."""
     max_drafts = 0
     trusted = True  # its draft ids are in range by construction: the engine need not check them
 
-    def admit(self, seq, hidden, first):
-        pass
 
-    def draft(self, seqs, gamma, uniforms) -> Drafts:
-        return Drafts.from_lists([[] for _ in seqs], 0, "cpu")
-
-    def catch_up(self, seqs, rows, na):
-        pass
-
-
-class NgramProposer(NoProposer):
+class NgramProposer:
     """Prompt lookup over an index per slot: n-gram -> the position after its latest occurrence, extended by the
     tokens a sequence gained since its last draft, so a lookup costs O(new tokens), not O(context)."""
+
+    trusted = True
 
     def __init__(self, max_drafts: int, device, max_n: int = 3):
         self.max_drafts, self.device, self.max_n = max_drafts, device, max_n
@@ -94,6 +88,9 @@ class NgramProposer(NoProposer):
 
     def admit(self, seq, hidden, first):
         self.index[seq.slot] = (0, {})
+
+    def catch_up(self, seqs, rows, na):  # the index follows seq.tokens when it drafts
+        pass
 
     def draft(self, seqs, gamma, uniforms) -> Drafts:
         found = [self.lookup(s, gamma) for s in seqs]

@@ -310,7 +310,7 @@ def test_memory_budget_counts_the_weights(ckpt):
 
     cfg = ModelConfig.from_file(ckpt / "config.json")
     assert cfg.has_mtp  # the MTP proposer's KV rows count too
-    caches = (sum(cache_bytes(cfg, 1, 64 + 8, 1, 4, torch.float32).values()) + 3 * cfg.vocab_size * 4
+    caches = (sum(cache_bytes(cfg, 1, 64 + 8, 4, torch.float32).values()) + 3 * cfg.vocab_size * 4
               + MTPProposer.state_bytes(cfg, 1, 64 + 8, torch.float32))
     weights = weight_bytes(cfg, torch.float32)
     assert weights == 4 * sum(p.numel() for p in LLM(ckpt, max_seq_len=64).model.parameters())
