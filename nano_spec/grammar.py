@@ -10,6 +10,7 @@ need masks of states after drafts that may be rejected: they push the drafts, re
 masks and roll back (`DraftMasks`), so the matcher is never left ahead.
 """
 import json
+import math
 import re
 import time
 from pathlib import Path
@@ -19,6 +20,10 @@ import torch
 
 FIELDS = ("json_schema", "regex", "grammar")  # the SamplingParams fields that constrain, at most one set
 DEAD_END = ("NoExtension", "NoExtensionBias")  # llguidance's stop reasons when nothing can follow
+# llguidance walks a forced run (text only one way can continue) item by item and fails mid-output somewhere
+# past 25,000 items (x{260000}, "x"{100000}, start: "x" start); so a repetition count, or the length of the
+# shortest text a constraint allows, above this is refused before anything is queued
+REPEAT_LIMIT = 10_000
 
 
 def one_line(message: str) -> str:
@@ -152,18 +157,23 @@ class Grammars:
             if self.tok is None:  # vocabulary as large as the model's: the padding ids exist and stay disallowed
                 self.tok = llguidance.LLTokenizer(self.file.read_text(encoding="utf-8"), n_vocab=self.V,
                                                   eos_token=self.eos or None)
-            if field == "regex" and lone_backslash(value):  # llguidance would drop it and match without it
-                raise ValueError("SamplingParams.regex: ends in a lone backslash (write \\\\ for a backslash)")
+            if field == "json_schema" and isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"SamplingParams.json_schema: invalid (not JSON: {e})") from None
+            regexes = [value] if field == "regex" else list(schema_patterns(value)) if field == "json_schema" else []
+            if any(map(lone_backslash, regexes)):  # llguidance would drop it and match without it
+                raise ValueError(f"SamplingParams.{field}: a regex ends in a lone backslash (write \\\\ for a "
+                                 "backslash)")
             matcher = self._compile(field, value)
-            if field == "grammar":
-                dead = lark_dead_parts(value, self._matches_nothing)
-                if dead:
-                    raise ValueError(f"SamplingParams.grammar: unsatisfiable: {', '.join(dead)} can match no "
-                                     "finite text")
+            self._check_sizes(field, value, regexes)
             probe = matcher.deep_copy()  # the first mask: llguidance finds an empty language only when asked
-            if not Constraint(probe, (self.V + 31) // 32).mask().any() or probe.is_error():
-                raise ValueError(f"SamplingParams.{field}: unsatisfiable: no text matches it "
-                                 f"(llguidance: {one_line(probe.get_error()) or 'no token allowed'})")
+            allowed = Constraint(probe, (self.V + 31) // 32).mask().any()
+            if not allowed or probe.is_error():
+                err = one_line(probe.get_error()) or "no token allowed"
+                what = "unsatisfiable: no text matches it" if err in DEAD_END or not allowed else "invalid"
+                raise ValueError(f"SamplingParams.{field}: {what} (llguidance: {err})")
             if len(self.compiled) >= 64:  # a bounded cache: forget the oldest grammar
                 self.compiled.pop(next(iter(self.compiled)))
             self.compiled[key] = matcher
@@ -185,14 +195,33 @@ class Grammars:
             raise ValueError(f"SamplingParams.{field}: invalid (llguidance: {one_line(err)})")
         return matcher
 
-    def _matches_nothing(self, regex_literal: str) -> bool:
-        """Whether a Lark regex literal (/.../flags) has an empty language: its first mask is an error."""
+    def _check_sizes(self, field: str, value, regexes: list):
+        """Refuse a Lark grammar with parts no finite text matches, and repetition counts or shortest texts
+        above REPEAT_LIMIT."""
+        if field == "grammar":
+            dead, shortest, biggest = lark_check(value, self._shortest_match)
+        else:
+            sizes = [regex_sizes(r) for r in regexes]
+            dead, shortest, biggest = [], max((n for n, _ in sizes), default=0), max((b for _, b in sizes), default=0)
+        if dead:
+            raise ValueError(f"SamplingParams.grammar: unsatisfiable: {', '.join(dead)} can match no finite text")
+        if biggest > REPEAT_LIMIT:
+            raise ValueError(f"SamplingParams.{field}: repetition count {biggest} is above the limit {REPEAT_LIMIT}")
+        if shortest > REPEAT_LIMIT:
+            what = "a pattern's shortest match" if field == "json_schema" else "the shortest text it allows"
+            raise ValueError(f"SamplingParams.{field}: {what} has {shortest} characters, above the limit "
+                             f"{REPEAT_LIMIT} (nested repetition counts multiply)")
+
+    def _shortest_match(self, regex_literal: str) -> float:
+        """The shortest text a Lark regex literal (/.../flags) matches: inf when its language is empty, which
+        llguidance finds when it computes the first mask."""
         g = llguidance.LLMatcher.grammar_from_lark(f"start: {regex_literal}")
-        if llguidance.LLMatcher.validate_grammar(g, self.tok):
-            return False  # not something to judge alone; the whole grammar compiled
-        m = llguidance.LLMatcher(self.tok, g, log_level=0)
-        Constraint(m, (self.V + 31) // 32).mask()
-        return m.is_error()
+        if not llguidance.LLMatcher.validate_grammar(g, self.tok):  # else not something to judge alone
+            m = llguidance.LLMatcher(self.tok, g, log_level=0)
+            Constraint(m, (self.V + 31) // 32).mask()
+            if m.is_error():
+                return math.inf
+        return regex_sizes(regex_literal[1 : regex_literal.rindex("/")])[0]
 
 
 def lone_backslash(regex: str) -> bool:
@@ -200,11 +229,117 @@ def lone_backslash(regex: str) -> bool:
     return (len(regex) - len(regex.rstrip("\\"))) % 2 == 1
 
 
-# ---- Lark: parts of a grammar that no finite text matches ------------------------------------------------
+def schema_patterns(schema):
+    """The regexes of a JSON schema: "pattern" values and "patternProperties" keys (not inside data)."""
+    if isinstance(schema, list):
+        for v in schema:
+            yield from schema_patterns(v)
+    elif isinstance(schema, dict):
+        for k, v in schema.items():
+            if k == "pattern" and isinstance(v, str):
+                yield v
+            elif k == "patternProperties" and isinstance(v, dict):
+                yield from v
+            if k not in ("const", "enum", "default", "examples"):
+                yield from schema_patterns(v)
+
+
+REGEX_COUNT = re.compile(r"\{\s*(\d*)\s*(,\s*(\d*)\s*)?\}")
+
+
+def regex_sizes(rx: str) -> tuple:
+    """(length of the shortest text the regex matches, largest repetition count written in it), read from the
+    regex syntax llguidance takes (Rust's regex crate); the emptiness of a class such as [a&&b] is not judged.
+    A regex this reading does not follow gives (0, 0): llguidance has parsed it, only the sizes are unknown."""
+    pos, biggest = 0, 0
+
+    def alternatives() -> int:
+        nonlocal pos
+        best = sequence()
+        while pos < len(rx) and rx[pos] == "|":
+            pos += 1
+            best = min(best, sequence())
+        return best
+
+    def sequence() -> int:
+        nonlocal pos, biggest
+        total = 0
+        while pos < len(rx) and rx[pos] not in "|)":
+            n, lo = atom(), 1
+            m = REGEX_COUNT.match(rx, pos)
+            if pos < len(rx) and rx[pos] in "*+?":
+                lo, pos = int(rx[pos] == "+"), pos + 1
+            elif m:
+                lo, pos = int(m[1] or 0), m.end()
+                biggest = max(biggest, lo, int(m[3] or 0))
+            if pos < len(rx) and rx[pos] == "?":  # lazy
+                pos += 1
+            total += n * lo if lo else 0
+        return total
+
+    def atom() -> int:
+        nonlocal pos
+        c = rx[pos]
+        if c == "(":
+            flags = re.compile(r"\?[a-zA-Z-]*\)").match(rx, pos + 1)  # (?i): flags only, no text
+            if flags:
+                pos = flags.end()
+                return 0
+            head = re.compile(r"\?(P?<\w+>|[a-zA-Z-]*:)").match(rx, pos + 1)
+            pos = head.end() if head else pos + 1
+            n = alternatives()
+            if rx[pos] != ")":
+                raise ValueError("unbalanced group")
+            pos += 1
+            return n
+        if c == "[":
+            pos = class_end(rx, pos)
+            return 1
+        if c == "\\":
+            nxt = rx[pos + 1]
+            pos += 2
+            if nxt in "pPxuU" and rx.startswith("{", pos):
+                pos = rx.index("}", pos) + 1
+            elif nxt in "pP":
+                pos += 1  # one-letter class name
+            elif nxt == "x":
+                pos += 2  # two hex digits
+            return 0 if nxt in "bBAz<>" else 1  # word boundaries and anchors match no text
+        pos += 1
+        return 0 if c in "^$" else 1
+
+    try:
+        shortest = alternatives()
+        return (shortest, biggest) if pos == len(rx) else (0, 0)
+    except (IndexError, ValueError):
+        return 0, 0
+
+
+def class_end(rx: str, i: int) -> int:
+    """The index past the character class that opens at rx[i] (classes nest: [a-z&&[^x]], [[:alpha:]])."""
+    depth = 0
+    while i < len(rx):
+        if rx[i] == "\\":
+            i += 2
+            continue
+        if rx[i] == "[":
+            depth += 1
+            i += 1 + rx.startswith("^", i + 1)
+            i += rx.startswith("]", i)  # a ] first in a class is a literal
+            continue
+        i += 1
+        if rx[i - 1] == "]":
+            depth -= 1
+            if depth == 0:
+                return i
+    raise ValueError("unclosed class")
+
+
+# ---- Lark: parts of a grammar that no finite text matches, and its shortest text -------------------------
 # llguidance compiles `start: "x" start` or a rule needing a terminal whose regex matches nothing, then the
-# output stops or fails in a dead end. A rule is productive when one of its expansions needs only productive
-# parts; every rule and terminal reachable from start must be. The parser follows llguidance's Lark syntax
-# as far as this needs; for anything else (templates, terminal operators) it gives up and refuses nothing.
+# output stops or fails in a dead end. The shortest text each rule derives is found as a least fixed point
+# (inf: none); every rule and terminal reachable from start must derive some. The parser follows llguidance's
+# Lark syntax as far as this needs; for anything else (templates, terminal operators) it refuses nothing.
 
 LARK_TOKEN = re.compile(r"""(?P<skip>(?:\#|//)[^\n]*|[ \t]+)|(?P<nl>(?:\r?\n[ \t]*)+)|(?P<dir>%[a-z_]+)
     |(?P<str>"(?:\\.|[^"\\])*"i?)|(?P<re>/(?:\\.|[^/\\\n])+/[imslux]*)
@@ -254,7 +389,7 @@ def json_end(text: str, i: int) -> int:
 
 class LarkRules:
     """Definitions name -> ("alt", [expansion]), an expansion a list of (atom, min repeats, max repeats or None),
-    an atom ("lit",), ("re", literal), ("name", name) or a nested ("alt", ...)."""
+    an atom ("lit", its length), ("re", literal), ("name", name) or a nested ("alt", ...)."""
 
     def __init__(self, text: str):
         self.toks, self.pos, self.defs = lark_tokens(text), 0, {}
@@ -356,10 +491,14 @@ class LarkRules:
             return ("alt", alts[1] + ([[]] if text == "[" else []))  # [x]: x or nothing
         self.pos += 1
         if kind == "str":
-            if self.at(".."):
+            if self.at(".."):  # a range of characters
                 self.take("..")
                 self.take(kind="str")
-            return ("lit",)
+                return ("lit", 1)
+            try:  # llguidance reads Lark strings as JSON strings
+                return ("lit", len(json.loads(text.removesuffix("i"))))
+            except json.JSONDecodeError:
+                return ("lit", 1)
         if kind == "re":
             return ("re", text)
         if kind in ("rule", "token"):
@@ -369,44 +508,55 @@ class LarkRules:
         if kind in ("special", "ref") or text == "%json":  # a special token, another grammar, a JSON schema
             if text == "%json":
                 self.take(kind="blob")
-            return ("lit",)
+            return ("lit", 1)
         raise Unsupported(text)
 
 
-def lark_dead_parts(text: str, matches_nothing) -> list:
-    """Rules, terminals and regex literals reachable from start that no finite text matches, in the order
-    they are reached; [] when there are none or the grammar uses syntax this check does not follow."""
+def lark_check(text: str, shortest_match) -> tuple:
+    """(the rules, terminals and regex literals reachable from start that no finite text matches, in the order
+    they are reached; the length of the shortest text start derives; the largest repetition count written),
+    ([], 0, largest count in its regex literals) for syntax this check does not follow. shortest_match(literal)
+    is the shortest text a regex literal matches, inf when none."""
+    try:
+        toks = lark_tokens(text)
+    except Unsupported:
+        return [], 0, 0
+    biggest = max((regex_sizes(t[1 : t.rindex("/")])[1] for kind, t in toks if kind == "re"), default=0)
     try:
         defs = LarkRules(text).defs
     except Unsupported:
-        return []
+        return [], 0, biggest
     if "start" not in defs:
-        return []
+        return [], 0, biggest
     reach, order = {"start"}, [("name", "start")]
     for node in order:  # breadth first over names and regex literals
         stack = [defs[node[1]]] if node[0] == "name" and node[1] in defs else []
         while stack:
             alt = stack.pop()
-            for part in (p for expansion in alt[1] for p, _, _ in expansion):
+            for part, lo, hi in (p for expansion in alt[1] for p in expansion):
+                biggest = max(biggest, lo, hi or 0)
                 if part[0] == "alt":
                     stack.append(part)
                 elif part[0] in ("name", "re") and part[1] not in reach:
                     reach.add(part[1])
                     order.append(part)
-    empty = {part[1] for part in order if part[0] == "re" and matches_nothing(part[1])}
+    regex_len = {part[1]: shortest_match(part[1]) for part in order if part[0] == "re"}
+    best = dict.fromkeys(defs, math.inf)  # name -> the shortest text it derives; inf: none (yet)
 
-    def productive(part, done) -> bool:
+    def length(part) -> float:
         if part[0] == "alt":
-            return any(all(lo == 0 or productive(p, done) for p, lo, _ in expansion) for expansion in part[1])
-        return (part[0] == "lit" or (part[0] == "re" and part[1] not in empty)
-                or (part[0] == "name" and (part[1] in done or part[1] not in defs)))  # undefined: imported
+            return min(sum(lo * length(p) for p, lo, _ in expansion if lo) for expansion in part[1])
+        if part[0] == "name":
+            return best.get(part[1], 0)  # undefined: imported or declared, taken as matching something
+        return regex_len[part[1]] if part[0] == "re" else part[1]
 
-    done, grew = set(), True
-    while grew:  # the least fixed point: productive from productive parts only
-        grew = False
+    shorter = True
+    while shorter:  # lengths only shrink, so this ends; a name left at inf derives no finite text
+        shorter = False
         for name, alt in defs.items():
-            if name not in done and productive(alt, done):
-                done.add(name)
-                grew = True
-    return [part[1] for part in order if (part[0] == "re" and part[1] in empty)
-            or (part[0] == "name" and part[1] in defs and part[1] not in done)]
+            n = length(alt)
+            if n < best[name]:
+                best[name], shorter = n, True
+    dead = [part[1] for part in order if (part[0] == "re" and regex_len[part[1]] == math.inf)
+            or (part[0] == "name" and best.get(part[1], 0) == math.inf)]
+    return dead, best["start"], biggest

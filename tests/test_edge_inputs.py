@@ -72,11 +72,75 @@ def test_satisfiable_edges_still_run(llm, kw, check):
 def test_dead_end_is_an_error_not_a_stop(ckpt, monkeypatch):
     """A grammar that passes the checks but walks into a dead end at run time: EOS is what llguidance allows
     there, and the output it rejects must end as an error with one line, never as "stop"."""
-    monkeypatch.setattr(grammar_module, "lark_dead_parts", lambda *args: [], raising=False)
+    monkeypatch.setattr(grammar_module, "lark_check", lambda *args: ([], 0, 0), raising=False)
     llm = LLM(ckpt, proposer="mtp", num_drafts=2, max_batch=2)
     outs = llm.generate(["h", "x = 1"], [SamplingParams(max_new_tokens=8, grammar='start: "x" Y\nY: /[a&&b]/'),
                                          SamplingParams(max_new_tokens=8, regex="[0-9]{3}")])
     assert outs[0].finish_reason == "error" and outs[0].text == "x", (outs[0].finish_reason, outs[0].text)
     assert outs[0].error.startswith("grammar: dead end") and "\n" not in outs[0].error, outs[0].error
     assert outs[1].finish_reason == "stop" and re.fullmatch("[0-9]{3}", outs[1].text)  # the other is unharmed
+    assert_idle(llm)
+
+
+# ---- 2. settings that passed validation, then failed after a token -----------------------------------------
+@pytest.mark.parametrize("top_k", [2**31, 2**63, 10**30, -1, True, 2.0])
+def test_top_k_is_bounded_at_construction(top_k):
+    with pytest.raises(ValueError, match=r"^SamplingParams\.top_k: must be an integer in \[0, 2\*\*31 - 1\], got "):
+        SamplingParams(top_k=top_k)
+
+
+def test_top_k_at_its_bound_runs(llm):
+    out = llm.generate("h", SamplingParams(max_new_tokens=4, top_k=2**31 - 1, temperature=1.0, seed=1))[0]
+    assert out.finish_reason in ("stop", "length") and out.error is None and len(out.token_ids) >= 1
+
+
+TOO_LARGE = [
+    (dict(regex="x{4294967295}"), "regex", "repetition count 4294967295 is above the limit 10000"),
+    (dict(regex="[a-z]{0,20000}"), "regex", "repetition count 20000 is above"),
+    (dict(regex="(x{1000}){1000}"), "regex", "shortest text it allows has 1000000 characters"),  # nested
+    (dict(regex="(abc{200}){100}|(x{200}y){60}"), "regex", "has 12060 characters"),  # the shorter branch counts
+    (dict(grammar="start: /x{4294967295}/"), "grammar", "repetition count 4294967295"),
+    (dict(grammar='start: "x"{100000}'), "grammar", "repetition count 100000"),
+    (dict(grammar='start: "x"~20000'), "grammar", "repetition count 20000"),
+    (dict(grammar='start: a{200}\na: "x"{200}'), "grammar", "has 40000 characters"),  # through a rule
+    (dict(grammar='start: a a a a a\na: "xy"{2000} | "long"{3000}'), "grammar", "has 20000 characters"),
+    (dict(grammar='start: "x" start'), "grammar", "start can match no finite text"),
+    (dict(json_schema={"type": "string", "pattern": "^x{4294967295}$"}), "json_schema", "repetition count"),
+    (dict(json_schema={"type": "string", "pattern": "a\\"}), "json_schema", "lone backslash"),
+]
+
+
+@pytest.mark.parametrize("kw, field, message", TOO_LARGE, ids=[str(c[0]) for c in TOO_LARGE])
+def test_oversized_constraints_are_refused(llm, kw, field, message):
+    assert message in refused(llm, SamplingParams(**kw), field)
+
+
+WITHIN_LIMITS = [  # counts at or under the limit, and the shortest text just under it
+    (dict(regex="x{3}"), lambda t: t == "xxx"),
+    (dict(regex="(ab){2}c{0,10000}"), lambda t: re.fullmatch("ababc*", t)),
+    (dict(grammar='start: a{3}\na: "ab"'), lambda t: t == "ababab"),
+    (dict(grammar='start: "q" | a{100}\na: "x"{100}'), lambda t: t == "q" or t.startswith("x")),  # a short way
+    (dict(json_schema={"type": "string", "pattern": "^[0-9]{2}$"}), lambda t: re.fullmatch('"[0-9]{2}"', t)),
+]
+
+
+@pytest.mark.parametrize("kw, check", WITHIN_LIMITS, ids=[str(c[0]) for c in WITHIN_LIMITS])
+def test_constraints_within_the_limits_run(llm, kw, check):
+    out = llm.generate("h", SamplingParams(max_new_tokens=12, **kw))[0]
+    assert out.finish_reason in ("stop", "length") and out.error is None and check(out.text), (out.text, out.error)
+
+
+def test_llguidance_failures_are_one_line(ckpt, monkeypatch):
+    """With the size checks off, llguidance fails after a token: the request ends with an error of one line (no
+    parser state dump), never with "stop", and the other request in the batch is unharmed."""
+    monkeypatch.setattr(grammar_module, "REPEAT_LIMIT", 10**12, raising=False)
+    llm = LLM(ckpt, proposer="mtp", num_drafts=2, max_batch=3)
+    params = [SamplingParams(max_new_tokens=6, regex="x{4294967295}"),
+              SamplingParams(max_new_tokens=6, grammar='start: a{200}\na: "x"{200}'),
+              SamplingParams(max_new_tokens=6, ignore_eos=True)]
+    outs = llm.generate(["h", "h", "x = 1"], params)
+    for o, message in zip(outs, ["too many expressions constructed", "Too many items"]):
+        assert o.finish_reason == "error" and o.error.startswith("grammar: ") and message in o.error, o.error
+        assert "\n" not in o.error and "<state>" not in o.error, o.error
+    assert outs[2].finish_reason == "length" and len(outs[2].token_ids) == 6
     assert_idle(llm)
