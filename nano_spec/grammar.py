@@ -24,6 +24,10 @@ DEAD_END = ("NoExtension", "NoExtensionBias")  # llguidance's stop reasons when 
 # past 25,000 items (x{260000}, "x"{100000}, start: "x" start); so a repetition count, or the length of the
 # shortest text a constraint allows, above this is refused before anything is queued
 REPEAT_LIMIT = 10_000
+# JSON without whitespace between tokens unless the schema's own "x-guidance" says otherwise (its keys win, one by
+# one): in llguidance's default, any run of whitespace anywhere, a small model emits newlines until max_new_tokens
+# (DESIGN §11)
+JSON_DEFAULTS = {"whitespace_flexible": False}
 
 
 def one_line(message: str) -> str:
@@ -183,7 +187,7 @@ class Grammars:
 
     def _compile(self, field: str, value) -> llguidance.LLMatcher:
         try:
-            g = {"json_schema": llguidance.LLMatcher.grammar_from_json_schema,
+            g = {"json_schema": json_grammar,
                  "regex": llguidance.LLMatcher.grammar_from_regex,
                  "grammar": llguidance.LLMatcher.grammar_from_lark}[field](value)
         except (ValueError, TypeError) as e:
@@ -222,6 +226,13 @@ class Grammars:
             if m.is_error():
                 return math.inf
         return regex_sizes(regex_literal[1 : regex_literal.rindex("/")])[0]
+
+
+def json_grammar(schema) -> str:
+    """llguidance's grammar of a JSON schema with JSON_DEFAULTS; the schema true is {} (any JSON value), so that
+    the defaults, which llguidance applies to an object only, hold for it too."""
+    schema = {} if schema is True else schema
+    return llguidance.LLMatcher.grammar_from_json_schema(schema, JSON_DEFAULTS if isinstance(schema, dict) else None)
 
 
 def lone_backslash(regex: str) -> bool:

@@ -1,5 +1,6 @@
 """Edge inputs to the engine, the API, grammars, configs and the tokenizer: each is refused up front with one
 line naming the field, or handled as the docs say; never a late failure, a traceback or a false "stop"."""
+import json
 import re
 
 import pytest
@@ -144,3 +145,54 @@ def test_llguidance_failures_are_one_line(ckpt, monkeypatch):
         assert "\n" not in o.error and "<state>" not in o.error, o.error
     assert outs[2].finish_reason == "length" and len(outs[2].token_ids) == 6
     assert_idle(llm)
+
+
+# ---- 3. JSON whitespace: bounded by default, flexible when the schema asks ---------------------------------
+OBJ = {"type": "object", "additionalProperties": False, "required": ["a", "b"],
+       "properties": {"a": {"type": "integer"}, "b": {"type": "boolean"}}}
+
+
+def accepts(llm, schema, text: str) -> bool:
+    """Whether the schema's constraint takes exactly these tokens (the prefix of a longer text may be fine)."""
+    ids = llm.tokenizer.encode(text)
+    return llm.grammars.constraint(SamplingParams(json_schema=schema)).valid_prefix(ids) == len(ids)
+
+
+COMPACT, SPACED, LOOSE, PRETTY = ('{"a":1,"b":true}', '{ "a" : 1 , "b" : true }', '{\n  "a": 1,\n\n\n  "b": true}',
+                                  '{"a": 1, "b": true}')
+
+
+@pytest.mark.parametrize("x_guidance, allowed", [
+    (None, {COMPACT}),
+    ({"whitespace_flexible": True}, {COMPACT, SPACED, LOOSE, PRETTY}),
+    ({"whitespace_pattern": " ?"}, {COMPACT, SPACED, PRETTY}),
+    ({"item_separator": ", ", "key_separator": ": "}, {PRETTY}),  # whitespace_flexible stays off
+], ids=["default", "flexible", "pattern", "separators"])
+def test_json_whitespace_is_compact_unless_the_schema_says(llm, x_guidance, allowed):
+    schema = dict(OBJ, **({"x-guidance": x_guidance} if x_guidance else {}))
+    for as_text in (False, True):  # a schema given as a JSON string is read the same way
+        got = {t for t in (COMPACT, SPACED, LOOSE, PRETTY)
+               if accepts(llm, json.dumps(schema) if as_text else schema, t)}
+        assert got == allowed, (x_guidance, as_text, got)
+
+
+def test_json_schema_true_is_any_compact_value(llm):
+    for schema in ("true", {}):
+        assert accepts(llm, schema, COMPACT) and accepts(llm, schema, "[1,2]") and not accepts(llm, schema, LOOSE)
+
+
+def test_shipped_model_finishes_json_without_x_guidance():
+    """The shipped model under docs/person.schema.json stripped of its x-guidance: with flexible whitespace half
+    of these prompts ran to the token limit on newlines; compact, every one finishes with a parsable object."""
+    from nano_spec.llm import shipped_weights
+
+    ckpt = shipped_weights()
+    schema = json.loads((ckpt.parent.parent / "docs" / "person.schema.json").read_text(encoding="utf-8"))
+    assert schema.pop("x-guidance") == {"whitespace_flexible": False}
+    prompts = [json.loads(line)["prompt"] for line in (ckpt / "eval_prompts.jsonl").read_text().splitlines()[:8]]
+    outs = LLM(ckpt, proposer="mtp", num_drafts=3, max_batch=8, threads=1).generate(
+        prompts, SamplingParams(max_new_tokens=96, json_schema=schema))
+    assert [o.finish_reason for o in outs] == ["stop"] * 8, [o.text for o in outs]
+    for o in outs:
+        value = json.loads(o.text)
+        assert set(value) == {"name", "age", "languages"} and "\n" not in o.text and " :" not in o.text, o.text
