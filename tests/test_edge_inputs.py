@@ -196,3 +196,34 @@ def test_shipped_model_finishes_json_without_x_guidance():
     for o in outs:
         value = json.loads(o.text)
         assert set(value) == {"name", "age", "languages"} and "\n" not in o.text and " :" not in o.text, o.text
+
+
+# ---- 4. a real U+FFFD in the text is a finished character --------------------------------------------------
+@pytest.mark.parametrize("text", ["x\ufffd", "\ufffd", "ab\ufffd\ufffd", "é\ufffd€", "x\ufffd€", "€✓"])
+def test_decoder_passes_a_real_replacement_character_at_once(llm, text):
+    """After every token the text is a prefix of the whole (an unfinished character waits, nothing is invented),
+    and once the last token is in, all of it, without asking for full_text()."""
+    from nano_spec.tokenizer import IncrementalDecoder
+
+    decoder = IncrementalDecoder(llm.tokenizer)
+    for token in llm.tokenizer.encode(text):
+        decoder.add(token)
+        assert text.startswith(decoder.text), (text, decoder.text)
+    assert decoder.text == text
+
+
+def test_stop_string_right_after_a_replacement_character(llm):
+    """The output "x\ufffd..." with stop "\ufffd": the stop is seen on the token that completes U+FFFD, not one
+    token later, here the last one max_new_tokens allows."""
+    n = len(llm.tokenizer.encode("x\ufffd"))
+    out = llm.generate("h", SamplingParams(max_new_tokens=n, regex="x\ufffd[a-z]{5}", stop="\ufffd"))[0]
+    assert (out.finish_reason, out.text) == ("stop", "x"), (out.finish_reason, out.text)
+
+
+def test_stream_yields_a_replacement_character_before_the_next_token(llm):
+    stream = llm.stream("h", SamplingParams(max_new_tokens=20, regex="x\ufffdyz"))
+    seen, pieces = [], []
+    for piece in stream:
+        pieces.append(piece)
+        seen.append("".join(pieces))
+    assert seen[-1] == "x\ufffdyz" and "x\ufffd" in seen, pieces
