@@ -260,15 +260,23 @@ def write_checkpoint(model, base: Path, out: Path, log: dict, save_dtype: torch.
         raise
 
 
-def check_dirs(base: Path, out: Path):
+def snapshot_path(out: Path, minutes: float) -> Path:
+    """Where --save-at writes the checkpoint of `minutes` minutes: OUT-<M>min beside OUT."""
+    return out.parent / f"{out.name}-{minutes:g}min"
+
+
+def check_dirs(base: Path, out: Path, save_at=()):
+    """Refuse a base that is not a checkpoint, and outputs (--out, every --save-at snapshot) that would replace
+    the base or a directory this script did not write: writing one deletes what was there."""
     if not (base / "config.json").is_file():
         raise ValueError(f"--base: {base} is not a checkpoint directory (no config.json)")
     if not (base / "tokenizer.json").is_file():
         raise ValueError(f"--base: {base} has no tokenizer.json (the corpus is tokenized with it)")
-    if out.resolve() == base.resolve() or base.resolve() in out.resolve().parents:
-        raise ValueError(f"--out: {out} must not be the base directory or inside it")
-    if out.exists() and any(out.iterdir()) and not (out / LOG_FILE).is_file():
-        raise ValueError(f"--out: {out} exists and is not an output of train_mtp.py; choose a new directory")
+    for flag, path in [("--out", out)] + [("--save-at", snapshot_path(out, m)) for m in save_at]:
+        if path.resolve() == base.resolve() or base.resolve() in path.resolve().parents:
+            raise ValueError(f"{flag}: {path} must not be the base directory or inside it")
+        if path.exists() and (not path.is_dir() or (any(path.iterdir()) and not (path / LOG_FILE).is_file())):
+            raise ValueError(f"{flag}: {path} exists and is not an output of train_mtp.py; choose a new directory")
 
 
 class Progress:
@@ -351,7 +359,7 @@ def main(argv=None) -> int:
     try:
         args = parse_args(argv)
         base, out = Path(args.base), Path(args.out)
-        check_dirs(base, out)
+        check_dirs(base, out, args.save_at)
         cfg = ModelConfig.from_file(base / "config.json")
         if cfg.has_mtp:
             raise ValueError(f"num_nextn_predict_layers: {base} already has an MTP head; train_mtp.py adds one to "
@@ -421,7 +429,7 @@ def run(args, base: Path, out: Path, cfg: ModelConfig, init_head: dict | None = 
         while pending_saves and (train_s >= 60 * pending_saves[0] or done):
             m = pending_saves.pop(0)
             if train_s >= 60 * m:  # a save point past the end of the run is not written
-                record(out.parent / f"{out.name}-{m:g}min", final=False)
+                record(snapshot_path(out, m), final=False)
         if done:
             break
         progress = step / args.steps if args.steps else train_s / budget

@@ -69,3 +69,59 @@ def test_bench_refuses_outputs_that_differ(ckpt, prompts_file, optimize):
     assert '"identical": true' not in out
     rc, out, err = run(*flags, "-c", BENCH_WITH_A_WRONG_ENGINE, optimize, "as-is", *args)  # the same, untouched
     assert rc == 0 and json.loads(out.strip().splitlines()[-1])["identical"] is True, err[-2000:]
+
+
+# ---- 6. train_mtp.py --save-at replaces only what train_mtp.py wrote ---------------------------------------
+CORPUS = "def f(x):\n    return x + 1\n\nfor i in range(10):\n    print(f(i))\n" * 40
+
+
+@pytest.fixture(scope="module")
+def headless(tmp_path_factory):
+    """A base without an MTP head, and a small corpus."""
+    tmp = tmp_path_factory.mktemp("train_mtp")
+    (tmp / "corpus.txt").write_text(CORPUS)
+    return tiny_checkpoint(tmp / "base", seed=3, num_nextn_predict_layers=0), tmp / "corpus.txt"
+
+
+def train_mtp(base, out, corpus, *extra):
+    return run(ROOT / "scripts" / "train_mtp.py", "--base", base, "--out", out, "--corpus", corpus, "--steps", 2,
+               "--seq-len", 16, "--batch", 2, "--threads", 1, "--eval-windows", 2, "--amp", "none", *extra)
+
+
+def test_save_at_keeps_a_directory_it_did_not_write(headless, tmp_path):
+    base, corpus = headless
+    out = tmp_path / "out"
+    unrelated = tmp_path / "out-0.0001min"  # --save-at 0.0001 is reached after the first step
+    unrelated.mkdir()
+    (unrelated / "notes.txt").write_text("mine")
+    rc, _, err = train_mtp(base, out, corpus, "--save-at", "0.0001")
+    assert_one_line_error(rc, err, f"--save-at: {unrelated} exists and is not an output of train_mtp.py")
+    assert (unrelated / "notes.txt").read_text() == "mine" and sorted(unrelated.iterdir()) == [unrelated / "notes.txt"]
+    assert not out.exists()
+    (tmp_path / "file-0.0001min").write_text("a file")
+    rc, _, err = train_mtp(base, tmp_path / "file", corpus, "--save-at", "0.0001")
+    assert_one_line_error(rc, err, "--save-at: ")
+    assert (tmp_path / "file-0.0001min").read_text() == "a file"
+
+
+def test_save_at_never_replaces_the_base(headless, tmp_path):
+    base, corpus = headless
+    import shutil
+
+    copy = tmp_path / "m-0.0001min"  # a base whose name is the snapshot name of --out m
+    shutil.copytree(base, copy)
+    before = {f.name: f.read_bytes() for f in copy.iterdir()}
+    rc, _, err = train_mtp(copy, tmp_path / "m", corpus, "--save-at", "0.0001")
+    assert_one_line_error(rc, err, f"--save-at: {copy} must not be the base directory")
+    assert {f.name: f.read_bytes() for f in copy.iterdir()} == before
+
+
+def test_save_at_rewrites_its_own_snapshot(headless, tmp_path):
+    """The control: a second run over the outputs of the first replaces them, snapshot included."""
+    base, corpus = headless
+    out = tmp_path / "out"
+    for _ in range(2):
+        rc, _, err = train_mtp(base, out, corpus, "--save-at", "0.0001")
+        assert rc == 0, err[-2000:]
+        for d in (out, tmp_path / "out-0.0001min"):
+            assert (d / "mtp_train_log.json").is_file() and (d / "mtp.safetensors").is_file(), d
