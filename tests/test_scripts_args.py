@@ -125,3 +125,92 @@ def test_save_at_rewrites_its_own_snapshot(headless, tmp_path):
         assert rc == 0, err[-2000:]
         for d in (out, tmp_path / "out-0.0001min"):
             assert (d / "mtp_train_log.json").is_file() and (d / "mtp.safetensors").is_file(), d
+
+
+# ---- 7. training arguments: one line naming the flag, exit status 2, before anything runs ------------------
+def load_script(name):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+BAD_COMMON = [  # (flag, value, what the message says) for both scripts
+    ("--lr", "nan", "finite number > 0"), ("--lr", "inf", "finite number > 0"), ("--lr", "0", "> 0"),
+    ("--lr", "-1e-3", "> 0"), ("--threads", "0", "integer in [1, "), ("--threads", "abc", "integer in [1, "),
+    ("--threads", "-2", "integer in [1, "), ("--threads", "100000", "integer in [1, "),
+    ("--device", "foo", "not one of cpu, cuda"), ("--device", "meta", "not one of cpu, cuda"),
+    ("--device", "cuda:7", "CUDA devices"), ("--log-every", "0", "integer in [1, "), ("--steps", "-1", "integer in [0, "),
+    ("--batch", "0", "integer in [1, "), ("--min-lr-frac", "1.5", "<= 1"), ("--clip", "nan", "finite number"),
+    ("--seed", "x", "integer in [0, "), ("--warmup", "2.5", "integer in [0, "),
+]
+BAD = {
+    "train_mtp": BAD_COMMON + [("--minutes", "nan", "finite number > 0"), ("--minutes", "inf", "finite"),
+                               ("--minutes", "0", "> 0"), ("--save-at", "nan", "finite number > 0"),
+                               ("--save-at", "-5", "> 0"), ("--seq-len", "2", "integer in [3, "),
+                               ("--unroll", "0", "integer in [1, "), ("--depth-decay", "nan", "finite"),
+                               ("--corpus", "/nonexistent/corpus.txt", "does not exist")],
+    "train": BAD_COMMON + [("--max-minutes", "nan", "finite number > 0"), ("--max-minutes", "0", "> 0"),
+                           ("--eval-every", "0", "integer in [1, "), ("--layers", "mx", "letters m"),
+                           ("--layers", "", "letters m"), ("--seq-len", "1", "integer in [2, ")],
+}
+REQUIRED = {"train_mtp": ["--base", "b", "--out", "o"], "train": ["--out", "o"]}
+CASES = [(script, *case) for script, cases in BAD.items() for case in cases]
+
+
+@pytest.mark.parametrize("script, flag, value, message", CASES, ids=[f"{c[0]} {c[1]} {c[2]}" for c in CASES])
+def test_bad_training_arguments_are_one_line(script, flag, value, message, capsys):
+    module = load_script(script)
+    with pytest.raises(SystemExit) as e:
+        module.parse_args(REQUIRED[script] + [f"{flag}={value}"])  # the = form: values such as -1e-3
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith(f"error: argument {flag}: ") and message in err, err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_unroll_longer_than_the_window_is_one_line(capsys):
+    with pytest.raises(SystemExit) as e:
+        load_script("train_mtp").parse_args(REQUIRED["train_mtp"] + ["--seq-len", "16", "--unroll", "15"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err == "error: argument --unroll: must be at most --seq-len - 2 = 14, got 15\n"
+
+
+@pytest.mark.parametrize("script, argv, want", [
+    ("train_mtp", ["--threads", "1", "--lr", "3e-3", "--device", "cpu", "--minutes", "0.5", "--save-at", "1", "2.5",
+                   "--seq-len", "16", "--unroll", "14"],
+     dict(threads=1, lr=3e-3, device="cpu", minutes=0.5, save_at=[1.0, 2.5], unroll=14)),
+    ("train_mtp", [], dict(threads="auto", device="cpu", minutes=30.0)),
+    ("train", ["--threads", "auto", "--max-minutes", "1", "--layers", "ma", "--device", "auto"],
+     dict(threads="auto", max_minutes=1.0, layers="ma", device="cpu")),
+], ids=["train_mtp-values", "train_mtp-defaults", "train-values"])
+def test_good_training_arguments_parse(script, argv, want, monkeypatch):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)  # auto: the CPU here
+    args = vars(load_script(script).parse_args(REQUIRED[script] + argv))
+    assert {k: args[k] for k in want} == want
+
+
+def test_corpus_it_cannot_use_is_one_line(headless, tmp_path):
+    """A binary file, an empty one, a directory without text, a corpus shorter than one window: exit 2, one line
+    naming --corpus, nothing written."""
+    base, _ = headless
+    (tmp_path / "binary.bin").write_bytes(bytes(range(256)) * 8)
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dir" / "x.bin").write_bytes(b"\xff\xfe\x00" * 10)
+    (tmp_path / "short.txt").write_text("x = 1\n")
+    for corpus, message in [("binary.bin", "--corpus: no UTF-8 text in"), ("empty.txt", "--corpus: no UTF-8 text"),
+                            ("dir", "--corpus: no UTF-8 text"), ("short.txt", "--corpus: fewer than 17 tokens")]:
+        rc, _, err = train_mtp(base, tmp_path / "out", tmp_path / corpus)
+        assert_one_line_error(rc, err, message, corpus)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("argv", [["scripts/train.py", "--out", "o", "--max-minutes", "nan"],
+                                  ["scripts/train_mtp.py", "--base", "b", "--out", "o", "--minutes", "nan"]],
+                         ids=["train", "train_mtp"])
+def test_nan_minutes_end_at_once(argv):
+    """`--minutes nan` trained forever (no comparison with NaN is true); now it is refused as the user runs it."""
+    rc, _, err = run(*argv, timeout=60)
+    assert_one_line_error(rc, err, "minutes: must be a finite number > 0, got 'nan'")
