@@ -84,7 +84,8 @@ def load_prompts(args, model_dir: Path) -> list:
     if not path.is_file():
         raise ValueError(f"--prompts-file: {path} not found")
     try:
-        prompts = [json.loads(line)["prompt"] for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        text = path.read_text(encoding="utf-8-sig")  # a byte order mark is not part of the first line
+        prompts = [json.loads(line)["prompt"] for line in text.splitlines() if line.strip()]
     except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
         raise ValueError(f"--prompts-file: {path} is not JSONL with a 'prompt' field") from None
     if not prompts:

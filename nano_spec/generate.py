@@ -53,7 +53,7 @@ def parse_args(argv):
 
 def read_file(flag: str, path: str) -> str:
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:  # a byte order mark some editors write is not text
             return f.read()
     except OSError as e:
         raise ValueError(f"{flag}: cannot read {path} ({e.strerror})") from None
@@ -78,6 +78,8 @@ def read_prompts(args) -> list:
             prompts.append(json.loads(line)["prompt"] if line.lstrip().startswith("{") else line)
         except (json.JSONDecodeError, KeyError, TypeError):
             raise ValueError(f"--prompts-file: line {i} is not JSON with a 'prompt' field") from None
+    if args.prompts_file and not text.strip():  # not the demo prompt in its place
+        raise ValueError(f"--prompts-file: {args.prompts_file} holds no prompts")
     return prompts or [DEFAULT_PROMPT]
 
 

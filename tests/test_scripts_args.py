@@ -142,7 +142,8 @@ BAD_COMMON = [  # (flag, value, what the message says) for both scripts
     ("--lr", "-1e-3", "> 0"), ("--threads", "0", "integer in [1, "), ("--threads", "abc", "integer in [1, "),
     ("--threads", "-2", "integer in [1, "), ("--threads", "100000", "integer in [1, "),
     ("--device", "foo", "not one of cpu, cuda"), ("--device", "meta", "not one of cpu, cuda"),
-    ("--device", "cuda:7", "CUDA devices"), ("--log-every", "0", "integer in [1, "), ("--steps", "-1", "integer in [0, "),
+    ("--device", "cuda:7", "CUDA devices"), ("--log-every", "0", "integer in [1, "),
+    ("--steps", "-1", "integer in [0, "),
     ("--batch", "0", "integer in [1, "), ("--min-lr-frac", "1.5", "<= 1"), ("--clip", "nan", "finite number"),
     ("--seed", "x", "integer in [0, "), ("--warmup", "2.5", "integer in [0, "),
 ]
@@ -214,3 +215,40 @@ def test_nan_minutes_end_at_once(argv):
     """`--minutes nan` trained forever (no comparison with NaN is true); now it is refused as the user runs it."""
     rc, _, err = run(*argv, timeout=60)
     assert_one_line_error(rc, err, "minutes: must be a finite number > 0, got 'nan'")
+
+
+# ---- 8. the CLI does not change its input quietly -----------------------------------------------------------
+def generate(*args, **kw):
+    return run("-m", "nano_spec.generate", *args, **kw)
+
+
+@pytest.mark.parametrize("content", [b"", b"\n  \n\t\n", b"\xef\xbb\xbf", b"\xef\xbb\xbf\n \n"],
+                         ids=["empty", "blank", "bom-only", "bom-blank"])
+def test_prompts_file_without_prompts_is_refused(ckpt, tmp_path, content):
+    path = tmp_path / "p.txt"
+    path.write_bytes(content)
+    rc, out, err = generate("--model", ckpt, "--prompts-file", path, "--max-new-tokens", 2)
+    assert_one_line_error(rc, err, f"--prompts-file: {path} holds no prompts")
+    assert out == ""  # nothing generated, not the demo prompt
+
+
+@pytest.mark.parametrize("lines, want", [
+    (['{"prompt": "x = 1"}', '{"prompt": "def f(x):"}'], ["x = 1", "def f(x):"]),
+    (["x = 1", '{"prompt": "def f(x):"}'], ["x = 1", "def f(x):"]),
+], ids=["jsonl", "text-then-jsonl"])
+def test_prompts_file_with_a_byte_order_mark(ckpt, tmp_path, lines, want):
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + "\n".join(lines).encode() + b"\n")
+    rc, out, err = generate("--model", ckpt, "--prompts-file", path, "--max-new-tokens", 2, "--json")
+    assert rc == 0, err
+    assert [json.loads(line)["prompt"] for line in out.splitlines()] == want
+
+
+def test_bench_prompts_file_with_a_byte_order_mark(tmp_path):
+    import argparse
+
+    from nano_spec.bench import load_prompts
+
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + b'{"prompt": "x = 1"}\n{"prompt": "y"}\n')
+    assert load_prompts(argparse.Namespace(prompts_file=str(path), num_prompts=16), tmp_path) == ["x = 1", "y"]
