@@ -85,9 +85,13 @@ def load_prompts(args, model_dir: Path) -> list:
         raise ValueError(f"--prompts-file: {path} not found")
     try:
         text = path.read_text(encoding="utf-8-sig")  # a byte order mark is not part of the first line
-        prompts = [json.loads(line)["prompt"] for line in text.splitlines() if line.strip()]
+        prompts = [(i, json.loads(line)["prompt"]) for i, line in enumerate(text.split("\n"), 1) if line.strip()]
     except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
         raise ValueError(f"--prompts-file: {path} is not JSONL with a 'prompt' field") from None
+    for i, p in prompts:
+        if not isinstance(p, str):  # the bench tokenizes text; a number or a list would fail deep in the run
+            raise ValueError(f"--prompts-file: line {i} of {path}: 'prompt' must be a string, got {type(p).__name__}")
+    prompts = [p for _, p in prompts]
     if not prompts:
         raise ValueError(f"--prompts-file: {path} holds no prompts")
     return prompts[: args.num_prompts]
@@ -180,6 +184,8 @@ def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         model_dir = Path(args.model) if args.model else shipped_weights()
+        if args.num_prompts < 1:
+            raise ValueError(f"--num-prompts: must be an integer >= 1, got {args.num_prompts}")
         prompts = load_prompts(args, model_dir)
         schema = read_schema(args.json_schema) if args.json_schema else None
         if any(g < 1 for g in args.gammas) or any(b < 1 for b in args.batch) or args.repeats < 1:

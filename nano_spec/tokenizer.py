@@ -28,6 +28,11 @@ class Tokenizer:
                                  f"vocab_size {cfg.vocab_size}")
 
     def encode(self, text: str) -> list:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # a lone surrogate (say from undecodable bytes in argv) is no text
+            raise ValueError(f"prompt: not valid Unicode: lone surrogate {text[e.start]!r} at index {e.start}") \
+                from None
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids) -> str:

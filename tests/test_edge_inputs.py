@@ -227,3 +227,19 @@ def test_stream_yields_a_replacement_character_before_the_next_token(llm):
         pieces.append(piece)
         seen.append("".join(pieces))
     assert seen[-1] == "x\ufffdyz" and "x\ufffd" in seen, pieces
+
+
+# ---- 9. a prompt that is not valid Unicode ------------------------------------------------------------------
+@pytest.mark.parametrize("prompt", ["\ud800", "ab\udcffc", "x = 1\n\udfff"], ids=["high", "escaped-byte", "low"])
+def test_lone_surrogate_in_a_prompt_is_refused(llm, prompt):
+    index = next(i for i, c in enumerate(prompt) if "\ud800" <= c <= "\udfff")
+    for call in (lambda: llm.generate(["x = 1", prompt]), lambda: llm.stream(prompt)):
+        with pytest.raises(ValueError) as e:
+            call()
+        assert str(e.value) == f"prompt: not valid Unicode: lone surrogate {prompt[index]!r} at index {index}"
+        assert_idle(llm)
+
+
+def test_characters_beyond_the_bmp_are_text(llm):
+    out = llm.generate("x = '😀 é ✓'", SamplingParams(max_new_tokens=3))[0]
+    assert out.finish_reason in ("stop", "length") and out.prompt == "x = '😀 é ✓'"

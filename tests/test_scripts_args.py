@@ -252,3 +252,89 @@ def test_bench_prompts_file_with_a_byte_order_mark(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_bytes(b"\xef\xbb\xbf" + b'{"prompt": "x = 1"}\n{"prompt": "y"}\n')
     assert load_prompts(argparse.Namespace(prompts_file=str(path), num_prompts=16), tmp_path) == ["x = 1", "y"]
+
+
+# ---- 9. one-line errors, not tracebacks; a closed pipe and Ctrl-C end quietly --------------------------------
+def test_undecodable_prompt_bytes_are_one_line(ckpt):
+    """Bytes that are not UTF-8 in argv reach Python as lone surrogates."""
+    r = subprocess.run([sys.executable, "-m", "nano_spec.generate", "--model", str(ckpt), "--prompt", b"ab\xff"],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT, env=ENV)
+    assert_one_line_error(r.returncode, r.stderr, "prompt: not valid Unicode: lone surrogate '\\udcff' at index 2")
+    assert r.stdout == ""
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--num-prompts", "0"], "--num-prompts: must be an integer >= 1, got 0"),
+    (["--num-prompts", "-1"], "--num-prompts: must be an integer >= 1, got -1"),  # was: all prompts but the last
+], ids=["zero", "negative"])
+def test_bench_num_prompts(ckpt, prompts_file, flags, message):
+    rc, out, err = run("-m", "nano_spec.bench", "--model", ckpt, "--prompts-file", prompts_file, *flags)
+    assert_one_line_error(rc, err, message)
+
+
+@pytest.mark.parametrize("line, kind", [('{"prompt": 5}', "int"), ('{"prompt": null}', "NoneType"),
+                                        ('{"prompt": ["def"]}', "list"), ('{"prompt": {"a": 1}}', "dict")])
+def test_bench_prompts_that_are_not_strings(ckpt, tmp_path, line, kind):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "x = 1"}\n\n' + line + "\n")
+    rc, out, err = run("-m", "nano_spec.bench", "--model", ckpt, "--prompts-file", path)
+    assert_one_line_error(rc, err, f"--prompts-file: line 3 of {path}: 'prompt' must be a string, got {kind}")
+
+
+@pytest.mark.parametrize("flags", [["--prompt", "def f(x):"], ["--prompt", "a", "--prompt", "b", "--json"]],
+                         ids=["stream", "json"])
+def test_closed_pipe_ends_quietly(ckpt, flags):
+    """`... | head -1`: the reader is gone before the first line; the status is that of a tool SIGPIPE ended."""
+    proc = subprocess.Popen([sys.executable, "-m", "nano_spec.generate", "--model", str(ckpt), "--max-new-tokens",
+                             "8", *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, env=ENV)
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) == 141 and err == "", err
+
+
+def test_json_output_equals_the_api(ckpt, tmp_path):
+    """The CLI runs its requests as streams (so Ctrl-C keeps the finished ones); its --json output is still what
+    LLM.generate gives, with slots reused (5 requests, 2 slots)."""
+    from nano_spec import LLM, SamplingParams
+
+    prompts = ["def f(x):", "x = 1", "for i in", "héllo", "print("]
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    rc, out, err = generate("--model", ckpt, "--prompts-file", path, "--max-new-tokens", 12, "--max-batch", 2,
+                            "--num-drafts", 3, "--backend", "torch", "--json")
+    assert rc == 0, err
+    rows = [json.loads(line) for line in out.splitlines()]
+    want = LLM(ckpt, backend="torch", max_batch=2, num_drafts=3).generate(prompts, SamplingParams(max_new_tokens=12))
+    assert [(r["prompt"], r["token_ids"], r["origins"], r["finish_reason"], r["text"]) for r in rows] == \
+        [(p, o.token_ids, o.origins, o.finish_reason, o.text) for p, o in zip(prompts, want)]
+
+
+def test_ctrl_c_prints_the_requests_that_finished(ckpt, tmp_path):
+    """Two requests: the first fills max_seq_len within a few tokens, the second would run for seconds. Ctrl-C
+    once the first has finished: its JSON line is printed, the other is not, exit status 130, no traceback."""
+    from tokenizers import Tokenizer
+
+    limit = 4000
+    line_tokens = len(Tokenizer.from_file(str(ckpt / "tokenizer.json")).encode("x = 1\n" * 100).ids) // 100
+    long_prompt = "x = 1\n" * ((limit - 10) // line_tokens)
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"prompt": long_prompt}) + "\n" + json.dumps({"prompt": "def f(x):"}) + "\n")
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "nano_spec.generate", "--model", str(ckpt), "--prompts-file",
+                             str(path), "--max-seq-len", str(limit), "--max-new-tokens", str(limit),
+                             "--regex", "[a-z]{5000}", "--json", "--trace", "--threads", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=ENV)
+    deadline, seen = time.monotonic() + 240, []
+    while time.monotonic() < deadline:
+        seen.append(proc.stderr.readline())
+        if seen[-1].startswith("step ") and " seq 0 " in seen[-1] and "finished: length" in seen[-1]:
+            break
+        assert seen[-1], "".join(seen[-20:])  # the process ended before the first request finished
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [(r["prompt"], r["finish_reason"]) for r in rows] == [(long_prompt, "length")]
+    assert err.strip().splitlines()[-1] == "interrupted: 1 of 2 requests had finished" and "Traceback" not in err
