@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from nano_spec.generate import read_schema
+from nano_spec.generate import check_threads, read_schema
 from nano_spec.llm import LLM, shipped_weights
 from nano_spec.sampling import SamplingParams
 
@@ -184,6 +184,7 @@ def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         model_dir = Path(args.model) if args.model else shipped_weights()
+        check_threads(args.threads)
         if args.num_prompts < 1:
             raise ValueError(f"--num-prompts: must be an integer >= 1, got {args.num_prompts}")
         prompts = load_prompts(args, model_dir)

@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 
+MAX_THREADS = 4 * (os.cpu_count() or 1)  # --threads above: no use, and torch crashes on counts such as 100000
 DEFAULT_PROMPT = 'class Stack:\n    """A last-in, first-out stack."""\n\n    def __init__(self):\n        self.'
 
 
@@ -52,6 +53,11 @@ def parse_args(argv):
                    help="colour each token by origin: accepted draft, correction, bonus (plain marks without a tty)")
     p.add_argument("--trace", action="store_true", help="one line per step and sequence on stderr")
     return p.parse_args(argv)
+
+
+def check_threads(threads):
+    if threads is not None and not 1 <= threads <= MAX_THREADS:
+        raise ValueError(f"--threads: must be an integer in [1, {MAX_THREADS}] (4 per CPU core), got {threads}")
 
 
 def read_file(flag: str, path: str) -> str:
@@ -144,6 +150,7 @@ def run(args) -> int:
     from nano_spec import LLM, SamplingParams  # after argparse: --help stays instant
 
     try:
+        check_threads(args.threads)
         prompts = read_prompts(args)
         params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                                 top_p=args.top_p, seed=args.seed, logprobs=args.logprobs, regex=args.regex,

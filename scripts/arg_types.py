@@ -9,7 +9,7 @@ import os
 
 import torch
 
-MAX_THREADS = 4 * (os.cpu_count() or 1)  # more is no use on this machine, and torch crashes on huge counts
+from nano_spec.generate import MAX_THREADS  # the bound of the CLIs' --threads
 
 
 class Parser(argparse.ArgumentParser):

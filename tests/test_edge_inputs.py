@@ -243,3 +243,47 @@ def test_lone_surrogate_in_a_prompt_is_refused(llm, prompt):
 def test_characters_beyond_the_bmp_are_text(llm):
     out = llm.generate("x = '😀 é ✓'", SamplingParams(max_new_tokens=3))[0]
     assert out.finish_reason in ("stop", "length") and out.prompt == "x = '😀 é ✓'"
+
+
+# ---- 10. config.json values of the wrong JSON type ----------------------------------------------------------
+@pytest.mark.parametrize("field, value, message", [
+    ("tie_word_embeddings", "false", "tie_word_embeddings: 'false' is not true or false"),
+    ("attention_bias", "true", "attention_bias: 'true' is not true or false"),
+    ("mamba_conv_bias", 0, "mamba_conv_bias: 0 is not true or false"),
+    ("mamba_proj_bias", None, "mamba_proj_bias: None is not true or false"),
+    ("eos_token_id", True, "eos_token_id: True is not a token id"),
+    ("eos_token_id", [0, True], "eos_token_id: True is not a token id"),
+    ("eos_token_id", False, "eos_token_id: False is not a token id"),
+    ("eos_token_id", 1.0, "eos_token_id: 1.0 is not a token id"),
+    ("bos_token_id", True, "bos_token_id: True is not a token id"),
+    ("pad_token_id", "0", "pad_token_id: '0' is not a token id"),
+    ("num_nextn_predict_layers", True, "num_nextn_predict_layers: True is not an integer"),
+])
+def test_config_values_of_the_wrong_type_name_the_field(field, value, message):
+    from helpers import tiny_config
+    from nano_spec.config import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        tiny_config(**{field: value})
+    assert str(e.value).startswith(message), str(e.value)
+
+
+def test_config_booleans_and_ids_that_are_fine():
+    from helpers import tiny_config
+
+    cfg = tiny_config(tie_word_embeddings=True, attention_bias=False, eos_token_id=[0, 5], bos_token_id=None,
+                      pad_token_id=3, num_nextn_predict_layers=0)
+    assert cfg.tie_word_embeddings is True and cfg.eos_ids == (0, 5) and cfg.pad_token_id == 3 and not cfg.has_mtp
+
+
+def test_config_file_with_a_string_boolean_is_refused_by_llm(ckpt, tmp_path):
+    """Through the API: "tie_word_embeddings": "false" read as true would tie the head to the embedding."""
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(ckpt, bad)
+    config = json.loads((bad / "config.json").read_text())
+    config["tie_word_embeddings"] = "false"
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"^tie_word_embeddings: 'false' is not true or false$"):
+        LLM(bad)

@@ -338,3 +338,12 @@ def test_ctrl_c_prints_the_requests_that_finished(ckpt, tmp_path):
     rows = [json.loads(line) for line in out.splitlines()]
     assert [(r["prompt"], r["finish_reason"]) for r in rows] == [(long_prompt, "length")]
     assert err.strip().splitlines()[-1] == "interrupted: 1 of 2 requests had finished" and "Traceback" not in err
+
+
+# ---- 10. --threads of the CLIs has an upper bound -----------------------------------------------------------
+@pytest.mark.parametrize("module", ["nano_spec.generate", "nano_spec.bench"], ids=["generate", "bench"])
+@pytest.mark.parametrize("threads", ["100000", "0"])
+def test_cli_threads_are_bounded(ckpt, prompts_file, module, threads):
+    rc, out, err = run("-m", module, "--model", ckpt, "--prompts-file", prompts_file, "--threads", threads)
+    assert_one_line_error(rc, err, f"--threads: must be an integer in [1, {4 * os.cpu_count()}] (4 per CPU core), "
+                                   f"got {threads}")
