@@ -3,8 +3,9 @@
 At each batch size it builds one engine per configuration: plain decoding (γ = 0), MTP at each
 γ, MTP with γ = auto, n-gram at γ = 3 and, with --vs-transformers, transformers'
 GraniteMoeHybridForCausalLM.generate on the same base weights. It warms each up, then times
-them in turn for --repeats rounds in one process, asserts that every greedy output equals
-plain decoding's, and prints a table, the targets of the README and, last, one JSON line.
+them in turn for --repeats rounds in one process, checks that every greedy output equals
+plain decoding's (exit status 1 with the first difference when one does not), and prints a table,
+the targets of the README and, last, one JSON line.
 With --json-schema FILE every nano_spec configuration also runs under that schema
 ("+schema"), its outputs checked against plain decoding under the same schema.
 
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from nano_spec.generate import read_schema
+from nano_spec.generate import check_threads, read_schema
 from nano_spec.llm import LLM, shipped_weights
 from nano_spec.sampling import SamplingParams
 
@@ -83,9 +84,14 @@ def load_prompts(args, model_dir: Path) -> list:
     if not path.is_file():
         raise ValueError(f"--prompts-file: {path} not found")
     try:
-        prompts = [json.loads(line)["prompt"] for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        text = path.read_text(encoding="utf-8-sig")  # a byte order mark is not part of the first line
+        prompts = [(i, json.loads(line)["prompt"]) for i, line in enumerate(text.split("\n"), 1) if line.strip()]
     except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
         raise ValueError(f"--prompts-file: {path} is not JSONL with a 'prompt' field") from None
+    for i, p in prompts:
+        if not isinstance(p, str):  # the bench tokenizes text; a number or a list would fail deep in the run
+            raise ValueError(f"--prompts-file: line {i} of {path}: 'prompt' must be a string, got {type(p).__name__}")
+    prompts = [p for _, p in prompts]
     if not prompts:
         raise ValueError(f"--prompts-file: {path} holds no prompts")
     return prompts[: args.num_prompts]
@@ -178,6 +184,9 @@ def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         model_dir = Path(args.model) if args.model else shipped_weights()
+        check_threads(args.threads)
+        if args.num_prompts < 1:
+            raise ValueError(f"--num-prompts: must be an integer >= 1, got {args.num_prompts}")
         prompts = load_prompts(args, model_dir)
         schema = read_schema(args.json_schema) if args.json_schema else None
         if any(g < 1 for g in args.gammas) or any(b < 1 for b in args.batch) or args.repeats < 1:
@@ -200,7 +209,11 @@ def main(argv=None) -> int:
     rows = [r for batch_rows in table.values() for r in batch_rows.values()]
     for r in rows:
         base = table[r["batch"]]["plain +schema" if r["config"].endswith("+schema") else "plain"]
-        assert r["outputs"] == base["outputs"], f"greedy outputs differ: {r['config']} at batch {r['batch']}"
+        if r["outputs"] != base["outputs"]:  # the premise of every speedup below; an if, as python -O keeps it
+            i = next((i for i, (a, b) in enumerate(zip(r["outputs"], base["outputs"])) if a != b), 0)
+            print(f"error: greedy outputs differ from {base['config']}: {r['config']} at batch {r['batch']}, "
+                  f"prompt {i}", file=sys.stderr)
+            return 1
         r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"]
         r["step_speedup"] = base["steps_s"] / r["steps_s"] if r["steps_s"] else None
     print(f"model {model_dir.name}, {len(prompts)} prompts x {args.max_new_tokens} new tokens, greedy, "

@@ -23,6 +23,7 @@ REQUIRED = ("vocab_size", "hidden_size", "num_attention_heads", "shared_intermed
 MAMBA_SIZES = ("mamba_n_heads", "mamba_d_state", "mamba_d_conv", "mamba_n_groups", "mamba_expand")
 FLOATS = ("embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling",
           "rms_norm_eps", "rope_theta")
+BOOLS = ("attention_bias", "mamba_conv_bias", "mamba_proj_bias", "tie_word_embeddings")
 
 
 def is_int(v, lo: int = 0, hi: float = math.inf) -> bool:
@@ -164,6 +165,14 @@ class ModelConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
                 raise ConfigError(f"{name}: {v!r} is not a finite number")
+        for name in BOOLS:  # the string "false" would count as true
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}: {getattr(self, name)!r} is not true or false")
+        for name in ("bos_token_id", "pad_token_id"):
+            if getattr(self, name) is not None and not is_int(getattr(self, name)):
+                raise ConfigError(f"{name}: {getattr(self, name)!r} is not a token id (an integer >= 0) or null")
+        if not is_int(self.num_nextn_predict_layers):
+            raise ConfigError(f"num_nextn_predict_layers: {self.num_nextn_predict_layers!r} is not an integer")
         if self.num_key_value_heads == 0:
             self.num_key_value_heads = self.num_attention_heads
         if self.mamba_d_head == 0 and self.mamba_n_heads > 0:
@@ -198,7 +207,7 @@ class ModelConfig:
             if not valid:
                 raise ConfigError(message)
         for e in self.eos_ids:
-            if not (isinstance(e, int) and 0 <= e < self.vocab_size):
+            if not is_int(e, 0, self.vocab_size - 1):  # true is not token 1
                 raise ConfigError(f"eos_token_id: {e!r} is not a token id below vocab_size {self.vocab_size}")
 
 

@@ -3,15 +3,19 @@
 With no arguments it streams the completion of a default prompt by the weights shipped in
 weights/. Exit status: 0 when every request finished, 2 for a user error (one line on stderr,
 nothing queued), 1 when a request failed inside the engine (its error on stderr, and in the
-`error` field with --json). --show-drafts colours each token by its origin (docs/DESIGN.md §1).
+`error` field with --json), 130 after Ctrl-C (the requests that had finished are printed first),
+141 when stdout closes early (`| head`). --show-drafts colours each token by its origin (docs/DESIGN.md §1).
 """
 import argparse
 import itertools
 import json
 import os
+import signal
 import sys
+import threading
 import time
 
+MAX_THREADS = 4 * (os.cpu_count() or 1)  # --threads above: no use, and torch crashes on counts such as 100000
 DEFAULT_PROMPT = 'class Stack:\n    """A last-in, first-out stack."""\n\n    def __init__(self):\n        self.'
 
 
@@ -51,9 +55,14 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
+def check_threads(threads):
+    if threads is not None and not 1 <= threads <= MAX_THREADS:
+        raise ValueError(f"--threads: must be an integer in [1, {MAX_THREADS}] (4 per CPU core), got {threads}")
+
+
 def read_file(flag: str, path: str) -> str:
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:  # a byte order mark some editors write is not text
             return f.read()
     except OSError as e:
         raise ValueError(f"{flag}: cannot read {path} ({e.strerror})") from None
@@ -78,6 +87,8 @@ def read_prompts(args) -> list:
             prompts.append(json.loads(line)["prompt"] if line.lstrip().startswith("{") else line)
         except (json.JSONDecodeError, KeyError, TypeError):
             raise ValueError(f"--prompts-file: line {i} is not JSON with a 'prompt' field") from None
+    if args.prompts_file and not text.strip():  # not the demo prompt in its place
+        raise ValueError(f"--prompts-file: {args.prompts_file} holds no prompts")
     return prompts or [DEFAULT_PROMPT]
 
 
@@ -123,9 +134,23 @@ def tracer(tok):
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        status = run(args)
+        sys.stdout.flush()  # a reader that has gone shows here, not in the flush at exit
+        return status
+    except KeyboardInterrupt:  # Ctrl-C while loading or streaming: no traceback; 130 as for SIGINT
+        print("interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # the reader stopped (| head): end quietly, as a tool that SIGPIPE ends (128 + 13)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the flush at exit must not fail again
+        return 141
+
+
+def run(args) -> int:
     from nano_spec import LLM, SamplingParams  # after argparse: --help stays instant
 
     try:
+        check_threads(args.threads)
         prompts = read_prompts(args)
         params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                                 top_p=args.top_p, seed=args.seed, logprobs=args.logprobs, regex=args.regex,
@@ -140,22 +165,22 @@ def main(argv=None) -> int:
         if len(prompts) == 1 and not (args.json or args.show_drafts):
             stream = llm.stream(prompts[0], params)  # validates the request before anything is printed
             print(prompts[0], end="", flush=True)
-            for piece in stream:
-                print(piece, end="", flush=True)
-            print()
+            try:
+                for piece in stream:
+                    print(piece, end="", flush=True)
+            finally:
+                print(flush=True)  # end the line, also when Ctrl-C cuts the text
             outs = [stream.output]
         else:
-            outs = llm.generate(prompts, params)
-            colour = sys.stdout.isatty() and "NO_COLOR" not in os.environ
-            if args.show_drafts and not args.json:
-                print(legend(colour))
-            for o in outs:
-                if args.json:
-                    print(json.dumps({k: getattr(o, k) for k in ("prompt", "text", "token_ids", "origins",
-                                      "finish_reason", "error", "tau", "logprobs", "top_logprobs")}))
-                else:
-                    text = show_drafts(llm.tokenizer, o, colour) if args.show_drafts else o.text
-                    print(f"--- {o.finish_reason} ---\n{o.prompt}{text}")
+            outs = [None] * len(prompts)
+            try:
+                generate_all(llm, prompts, params, outs)
+            except KeyboardInterrupt:  # what had finished is printed as in a full run
+                done = [o for o in outs if o is not None]
+                print_outputs(args, llm, done)
+                print(f"interrupted: {len(done)} of {len(outs)} requests had finished", file=sys.stderr)
+                return 130
+            print_outputs(args, llm, outs)
         elapsed = time.perf_counter() - t0
     except ValueError as e:  # every user error is a ValueError with a message naming the problem
         print(f"error: {e}", file=sys.stderr)
@@ -166,6 +191,81 @@ def main(argv=None) -> int:
     if args.stats:
         print_stats(llm.stats, [o for o in outs if o.finish_reason != "error"], elapsed)
     return 1 if failed else 0
+
+
+def generate_all(llm, prompts: list, params, outs: list):
+    """What llm.generate(prompts, params) does, but outs[i] holds request i's Output as soon as it finishes, so
+    that a run cut short by Ctrl-C still has the outputs of the requests that finished (llm.generate cancels
+    them all). One stream per request, all on the one engine: each is read once (a stream may queue its request
+    only then), then the first unfinished one drives the steps, and after each step the streams of the requests
+    it finished are drained, which runs no step. A StepReport says which: the rows that finished, the failed
+    admissions, and admissions that finished at once (no row); the streams' sequence ids are consecutive in
+    stream order, from the first one the first step admits.
+
+    The first Ctrl-C ends the run after the step in progress, at a point where every output is whole (a
+    KeyboardInterrupt mid-step would cut a stream as it delivers its output); a second one interrupts at once."""
+    streams = [llm.stream(p, params) for p in prompts]  # all validated; each queued now or on its first read
+    first, done, trace, stop = [], set(), llm.on_step, []
+
+    def on_step(report):
+        admitted = [seq_id for seq_id, _ in report.admitted]
+        if not first and (admitted or report.failed):
+            first.append(min(admitted + report.failed))
+        in_rows = {r.seq_id for r in report.rows}
+        done.update(report.failed, (r.seq_id for r in report.rows if r.finish_reason),
+                    (seq_id for seq_id in admitted if seq_id not in in_rows))
+        if trace is not None:
+            trace(report)
+
+    def collect():
+        for i, stream in enumerate(streams):
+            if outs[i] is None and first and first[0] + i in done:
+                for _ in stream:  # a finished request's stream yields its text and ends without a step
+                    pass
+                outs[i] = stream.output
+
+    def read(i):
+        """A piece of stream i's text, or a step that advances every queued request; its Output once it ends."""
+        if next(streams[i], None) is None:
+            outs[i] = streams[i].output
+        collect()
+        if stop:
+            raise KeyboardInterrupt
+
+    def on_sigint(signum, frame):
+        stop.append(signum)
+        signal.signal(signal.SIGINT, previous)
+
+    main_thread = threading.current_thread() is threading.main_thread()  # where Python runs signal handlers
+    previous = signal.signal(signal.SIGINT, on_sigint) if main_thread else None
+    previous = signal.default_int_handler if previous is None else previous  # None: a handler not set from Python
+    llm.on_step = on_step
+    try:
+        for i in range(len(streams)):
+            if outs[i] is None:
+                read(i)
+        while None in outs:
+            read(outs.index(None))
+    except KeyboardInterrupt:
+        collect()  # after a second Ctrl-C: the requests the last whole step finished
+        raise
+    finally:
+        llm.on_step = trace
+        if main_thread:
+            signal.signal(signal.SIGINT, previous)
+
+
+def print_outputs(args, llm, outs: list):
+    colour = sys.stdout.isatty() and "NO_COLOR" not in os.environ
+    if args.show_drafts and not args.json:
+        print(legend(colour))
+    for o in outs:
+        if args.json:
+            print(json.dumps({k: getattr(o, k) for k in ("prompt", "text", "token_ids", "origins", "finish_reason",
+                                                         "error", "tau", "logprobs", "top_logprobs")}))
+        else:
+            text = show_drafts(llm.tokenizer, o, colour) if args.show_drafts else o.text
+            print(f"--- {o.finish_reason} ---\n{o.prompt}{text}")
 
 
 def print_stats(st: dict, good: list, elapsed: float):

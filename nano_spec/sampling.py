@@ -37,7 +37,7 @@ class SamplingParams:
         rules = (  # field, valid, what it must be
             ("max_new_tokens", is_int(self.max_new_tokens, 1), "an integer >= 1"),
             ("temperature", num(t) and math.isfinite(t) and t >= 0, "a finite number >= 0"),
-            ("top_k", is_int(self.top_k), "an integer >= 0"),
+            ("top_k", is_int(self.top_k, 0, 2**31 - 1), "an integer in [0, 2**31 - 1]"),  # 2**63 overflowed int64
             ("top_p", num(self.top_p) and 0 < self.top_p <= 1, "a number in (0, 1]"),
             ("seed", self.seed is None or is_int(self.seed, 0, 2**64 - 1), "None or an integer in [0, 2**64)"),
             ("stop", isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) and s for s in self.stop),

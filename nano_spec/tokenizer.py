@@ -1,7 +1,9 @@
 """A thin wrapper over a checkpoint's tokenizer.json, with EOS/BOS ids from its config."""
+import codecs
 from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
+from tokenizers import decoders
 
 from nano_spec.config import ModelConfig
 
@@ -20,15 +22,57 @@ class Tokenizer:
         except Exception as e:  # tokenizers raises a bare Exception on a malformed file
             raise TokenizerError(f"{file}: cannot be read as a tokenizers file ({e})") from None
         self.eos_ids = cfg.eos_ids
+        self._added, self._bytes = set(self._tok.get_added_tokens_decoder()), {}  # token_bytes: id -> bytes
         if self._tok.get_vocab_size() > cfg.vocab_size:
             raise TokenizerError(f"{file}: {self._tok.get_vocab_size()} tokens but the model has "
                                  f"vocab_size {cfg.vocab_size}")
 
     def encode(self, text: str) -> list:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # a lone surrogate (say from undecodable bytes in argv) is no text
+            raise ValueError(f"prompt: not valid Unicode: lone surrogate {text[e.start]!r} at index {e.start}") \
+                from None
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
+
+    def token_bytes(self, ids) -> bytes | None:
+        """The bytes the ids decode from, for a byte-level BPE tokenizer (GPT-2's, Granite's, ours); None for
+        a tokenizer of another kind, whose tokens are not byte strings."""
+        if not isinstance(self._tok.decoder, decoders.ByteLevel):
+            return None
+        out = bytearray()
+        for i in ids:
+            if i not in self._bytes:
+                piece = self._tok.id_to_token(i) or ""
+                if i in self._added:  # special and added tokens: their text, as decode() gives it
+                    self._bytes[i] = self._tok.decode([i], skip_special_tokens=True).encode()
+                elif all(c in UNICODE_TO_BYTE for c in piece):
+                    self._bytes[i] = bytes(UNICODE_TO_BYTE[c] for c in piece)
+                else:
+                    return None
+            out += self._bytes[i]
+        return bytes(out)
+
+
+def _unicode_to_byte() -> dict:
+    """The inverse of GPT-2's bytes_to_unicode, which byte-level BPE vocabularies are written in: printable
+    bytes stand for themselves, the others for chr(256 + k) in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + k): b for k, b in enumerate(others)}}
+
+
+UNICODE_TO_BYTE = _unicode_to_byte()
+
+
+def ends_inside_a_character(data: bytes) -> bool:
+    """Whether the bytes end in the beginning of a UTF-8 character that more bytes could still complete."""
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    decoder.decode(data[-4:], final=False)  # a character is at most 4 bytes; invalid bytes are replaced, not kept
+    return bool(decoder.getstate()[0])
 
 
 class IncrementalDecoder:
@@ -36,7 +80,8 @@ class IncrementalDecoder:
     output costs O(n) rather than the O(n²) of decoding everything at every token.
 
     `text` holds only complete characters: a token that ends inside a multi-byte character waits for
-    the token that completes it. `full_text()` is what decoding all ids at once gives.
+    the token that completes it. A U+FFFD in the text itself, or bytes no later token could complete, are
+    complete characters and do not wait. `full_text()` is what decoding all ids at once gives.
     """
 
     def __init__(self, tok: Tokenizer):
@@ -48,12 +93,17 @@ class IncrementalDecoder:
         self.ids.append(token)
         before = self.tok.decode(self.ids[self.start : self.done])
         after = self.tok.decode(self.ids[self.start :])
-        if after.endswith("\ufffd") or not after.startswith(before):
+        if not after.startswith(before) or (after.endswith("\ufffd") and self._unfinished()):
             return ""
         new = after[len(before) :]
         self.start, self.done = self.done, len(self.ids)
         self.text += new
         return new
+
+    def _unfinished(self) -> bool:
+        """The decoded window ends in U+FFFD: an unfinished character, or a real one?"""
+        data = self.tok.token_bytes(self.ids[self.start :])
+        return True if data is None else ends_inside_a_character(data)  # not byte-level: wait, as before
 
     def full_text(self) -> str:
         before = self.tok.decode(self.ids[self.start : self.done])

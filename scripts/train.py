@@ -37,6 +37,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "kernels")]  # nano_spec, nano_spec_kernels: runnable without installing
+sys.path.insert(0, str(ROOT / "scripts"))  # arg_types, also when this file is imported
+
+from arg_types import Parser, device, integer, number, threads  # noqa: E402
 
 from nano_spec import ssd  # noqa: E402
 from nano_spec.config import ModelConfig  # noqa: E402
@@ -258,38 +261,47 @@ def eval_prompts(tok: Tokenizer, held, n: int, seed: int, lo: int = 100, hi: int
 
 
 # ---- the run -----------------------------------------------------------------------------------
+def layer_letters(text: str) -> str:
+    if not text or set(text) - set("ma"):
+        raise argparse.ArgumentTypeError(f"must be letters m (Mamba2) and a (attention), got {text!r}")
+    return text
+
+
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = Parser(description=__doc__.split("\n")[0])
+    count, size, positive = integer(0), integer(1), number(0, above=True)
     ap.add_argument("--out", required=True, help="checkpoint directory, e.g. weights/stdlib-hybrid-8m")
     ap.add_argument("--smoke", action="store_true", help="tiny corpus/config/steps: a test of the pipeline")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--threads", default="auto", help="intra-op threads, or auto: 2 or 1, whichever is faster")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--max-minutes", type=float, default=56.0, help="wall budget of the whole run")
-    ap.add_argument("--steps", type=int, default=0, help="0: as many as --max-minutes allows")
+    ap.add_argument("--device", type=device, default="cpu", help="cpu, cuda, cuda:N or auto")
+    ap.add_argument("--threads", type=threads, default="auto",
+                    help="intra-op threads, or auto: 2 or 1, whichever is faster")
+    ap.add_argument("--seed", type=count, default=0)
+    ap.add_argument("--max-minutes", type=positive, default=56.0, help="wall budget of the whole run")
+    ap.add_argument("--steps", type=count, default=0, help="0: as many as --max-minutes allows")
     ap.add_argument("--amp", choices=("none", "bf16"), default="bf16", help="autocast dtype for the matmuls")
-    ap.add_argument("--max-files", type=int, default=None, help="use only the first N training files")
-    ap.add_argument("--vocab", type=int, default=4096)
-    ap.add_argument("--d-model", type=int, default=256)
-    ap.add_argument("--layers", default="mmamma", help="one letter per layer: m = Mamba2, a = attention")
-    ap.add_argument("--head-dim", type=int, default=64, help="Mamba head dim P (heads H = 2 D / P)")
-    ap.add_argument("--d-state", type=int, default=64, help="Mamba state size N")
-    ap.add_argument("--attn-heads", type=int, default=4)
-    ap.add_argument("--kv-heads", type=int, default=2)
-    ap.add_argument("--mlp", type=int, default=768, help="shared_intermediate_size")
-    ap.add_argument("--chunk", type=int, default=64, help="SSD chunk length")
-    ap.add_argument("--seq-len", type=int, default=512)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--lr", type=float, default=1.5e-3)
-    ap.add_argument("--min-lr-frac", type=float, default=0.1)
-    ap.add_argument("--warmup", type=int, default=40)
-    ap.add_argument("--weight-decay", type=float, default=0.1)
-    ap.add_argument("--clip", type=float, default=1.0)
-    ap.add_argument("--mtp-weight", type=float, default=0.4)
-    ap.add_argument("--eval-every", type=int, default=200)
-    ap.add_argument("--eval-windows", type=int, default=48)
-    ap.add_argument("--log-every", type=int, default=10)
-    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--max-files", type=size, default=None, help="use only the first N training files")
+    ap.add_argument("--vocab", type=size, default=4096)
+    ap.add_argument("--d-model", type=size, default=256)
+    ap.add_argument("--layers", type=layer_letters, default="mmamma",
+                    help="one letter per layer: m = Mamba2, a = attention")
+    ap.add_argument("--head-dim", type=size, default=64, help="Mamba head dim P (heads H = 2 D / P)")
+    ap.add_argument("--d-state", type=size, default=64, help="Mamba state size N")
+    ap.add_argument("--attn-heads", type=size, default=4)
+    ap.add_argument("--kv-heads", type=size, default=2)
+    ap.add_argument("--mlp", type=size, default=768, help="shared_intermediate_size")
+    ap.add_argument("--chunk", type=size, default=64, help="SSD chunk length")
+    ap.add_argument("--seq-len", type=integer(2), default=512)
+    ap.add_argument("--batch", type=size, default=8)
+    ap.add_argument("--lr", type=positive, default=1.5e-3)
+    ap.add_argument("--min-lr-frac", type=number(0, 1), default=0.1)
+    ap.add_argument("--warmup", type=count, default=40)
+    ap.add_argument("--weight-decay", type=number(0), default=0.1)
+    ap.add_argument("--clip", type=positive, default=1.0)
+    ap.add_argument("--mtp-weight", type=number(0), default=0.4)
+    ap.add_argument("--eval-every", type=size, default=200)
+    ap.add_argument("--eval-windows", type=size, default=48)
+    ap.add_argument("--log-every", type=size, default=10)
+    ap.add_argument("--prompts", type=count, default=32)
     args = ap.parse_args(argv)
     if args.smoke:
         args.__dict__.update(max_files=12, vocab=300, d_model=32, layers="ma", head_dim=16, d_state=8, attn_heads=2,

@@ -44,7 +44,6 @@ num_nextn_predict_layers: 1 and mtp_train_log.json; load_model reads the base an
 head files together. --save-at M writes the same at M minutes of training to
 OUT-Mmin. --minutes counts training-step time only (evaluations and saves excluded).
 """
-import argparse
 import dataclasses
 import functools
 import json
@@ -62,6 +61,7 @@ from tokenizers import Tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/train.py: the corpus and schedule helpers
 import train as base_train  # noqa: E402  (it puts the repository root on sys.path too)
+from arg_types import Parser, device, existing_path, integer, number, threads  # noqa: E402
 
 from nano_spec_kernels.common import apply_rope_ref  # noqa: E402
 from nano_spec import ssd  # noqa: E402
@@ -103,7 +103,10 @@ def make_windows(args, tok: Tokenizer, eos: int, vocab_size: int):
         held = base_train.windows(base_train.token_stream(tok, [t for _, t in held_docs], eos), T)
         source = f"Python stdlib ({len(train_docs)} training files; held out: {', '.join(base_train.HELD_OUT)})"
     else:
-        all_w = base_train.windows(base_train.token_stream(tok, corpus_texts(Path(args.corpus)), eos), T)
+        stream = base_train.token_stream(tok, corpus_texts(Path(args.corpus)), eos)
+        if stream.numel() < T + 1:  # not one window
+            raise ValueError(f"--corpus: fewer than {T + 1} tokens; lower --seq-len or give more text")
+        all_w = base_train.windows(stream, T)
         n_held = min(args.eval_windows, len(all_w) // 10)  # at most a tenth of the corpus is held out
         train, held = all_w[: len(all_w) - n_held], all_w[len(all_w) - n_held:]
         source = f"{args.corpus}"
@@ -260,15 +263,23 @@ def write_checkpoint(model, base: Path, out: Path, log: dict, save_dtype: torch.
         raise
 
 
-def check_dirs(base: Path, out: Path):
+def snapshot_path(out: Path, minutes: float) -> Path:
+    """Where --save-at writes the checkpoint of `minutes` minutes: OUT-<M>min beside OUT."""
+    return out.parent / f"{out.name}-{minutes:g}min"
+
+
+def check_dirs(base: Path, out: Path, save_at=()):
+    """Refuse a base that is not a checkpoint, and outputs (--out, every --save-at snapshot) that would replace
+    the base or a directory this script did not write: writing one deletes what was there."""
     if not (base / "config.json").is_file():
         raise ValueError(f"--base: {base} is not a checkpoint directory (no config.json)")
     if not (base / "tokenizer.json").is_file():
         raise ValueError(f"--base: {base} has no tokenizer.json (the corpus is tokenized with it)")
-    if out.resolve() == base.resolve() or base.resolve() in out.resolve().parents:
-        raise ValueError(f"--out: {out} must not be the base directory or inside it")
-    if out.exists() and any(out.iterdir()) and not (out / LOG_FILE).is_file():
-        raise ValueError(f"--out: {out} exists and is not an output of train_mtp.py; choose a new directory")
+    for flag, path in [("--out", out)] + [("--save-at", snapshot_path(out, m)) for m in save_at]:
+        if path.resolve() == base.resolve() or base.resolve() in path.resolve().parents:
+            raise ValueError(f"{flag}: {path} must not be the base directory or inside it")
+        if path.exists() and (not path.is_dir() or (any(path.iterdir()) and not (path / LOG_FILE).is_file())):
+            raise ValueError(f"{flag}: {path} exists and is not an output of train_mtp.py; choose a new directory")
 
 
 class Progress:
@@ -292,39 +303,39 @@ class Progress:
 
 # ---- the run -------------------------------------------------------------------------------------
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = Parser(description=__doc__.split("\n")[0])
+    count, size, positive = integer(0), integer(1), number(0, above=True)
     ap.add_argument("--base", required=True, help="checkpoint directory without an MTP head")
     ap.add_argument("--out", required=True, help="output directory: base files + mtp.safetensors")
-    ap.add_argument("--minutes", type=float, default=30.0, help="training-step time budget")
-    ap.add_argument("--steps", type=int, default=0, help="stop after N steps instead (0: --minutes decides)")
-    ap.add_argument("--save-at", type=float, nargs="*", default=[], help="also save OUT-<M>min at these minutes")
-    ap.add_argument("--corpus", help="a text file or directory (default: the Python standard library)")
-    ap.add_argument("--max-files", type=int, default=None, help="stdlib corpus: only the first N training files")
+    ap.add_argument("--minutes", type=positive, default=30.0, help="training-step time budget")
+    ap.add_argument("--steps", type=count, default=0, help="stop after N steps instead (0: --minutes decides)")
+    ap.add_argument("--save-at", type=positive, nargs="*", default=[], help="also save OUT-<M>min at these minutes")
+    ap.add_argument("--corpus", type=existing_path,
+                    help="a text file or directory (default: the Python standard library)")
+    ap.add_argument("--max-files", type=size, default=None, help="stdlib corpus: only the first N training files")
     ap.add_argument("--target", choices=("base", "corpus"), default="base",
                     help="learn the base's distribution of x_{p+2} (default) or the corpus token")
-    ap.add_argument("--unroll", type=int, default=3, help="draft depths trained per anchor (1: depth 1 only)")
-    ap.add_argument("--depth-decay", type=float, default=0.8, help="depth d's loss weight is decay^(d-1), normalised")
+    ap.add_argument("--unroll", type=size, default=3, help="draft depths trained per anchor (1: depth 1 only)")
+    ap.add_argument("--depth-decay", type=positive, default=0.8,
+                    help="depth d's loss weight is decay^(d-1), normalised")
     ap.add_argument("--init-head", help="start from the mtp.* tensors of this checkpoint instead of a fresh head")
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--threads", default="auto", help="intra-op threads, or auto: 2 or 1, whichever is faster")
+    ap.add_argument("--device", type=device, default="auto", help="cpu, cuda, cuda:N or auto (cuda when there is one)")
+    ap.add_argument("--threads", type=threads, default="auto",
+                    help="intra-op threads, or auto: 2 or 1, whichever is faster")
     ap.add_argument("--amp", choices=("none", "bf16"), default="bf16", help="autocast dtype for the matmuls")
-    ap.add_argument("--seq-len", type=int, default=512)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--min-lr-frac", type=float, default=0.1)
-    ap.add_argument("--warmup", type=int, default=20)
-    ap.add_argument("--weight-decay", type=float, default=0.01)
-    ap.add_argument("--clip", type=float, default=1.0)
-    ap.add_argument("--eval-windows", type=int, default=48)
-    ap.add_argument("--log-every", type=int, default=10, help="steps between progress lines when not on a tty")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seq-len", type=integer(3), default=512)
+    ap.add_argument("--batch", type=size, default=8)
+    ap.add_argument("--lr", type=positive, default=1e-3)
+    ap.add_argument("--min-lr-frac", type=number(0, 1), default=0.1)
+    ap.add_argument("--warmup", type=count, default=20)
+    ap.add_argument("--weight-decay", type=number(0), default=0.01)
+    ap.add_argument("--clip", type=positive, default=1.0)
+    ap.add_argument("--eval-windows", type=count, default=48)
+    ap.add_argument("--log-every", type=size, default=10, help="steps between progress lines when not on a tty")
+    ap.add_argument("--seed", type=count, default=0)
     args = ap.parse_args(argv)
-    if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.seq_len < 3 or args.batch < 1 or args.minutes <= 0 or args.steps < 0:
-        raise ValueError("--seq-len >= 3, --batch >= 1, --minutes > 0 and --steps >= 0")
-    if not 1 <= args.unroll <= args.seq_len - 2 or args.depth_decay <= 0:
-        raise ValueError("--unroll: between 1 and --seq-len - 2; --depth-decay > 0")
+    if args.unroll > args.seq_len - 2:
+        ap.error(f"argument --unroll: must be at most --seq-len - 2 = {args.seq_len - 2}, got {args.unroll}")
     return args
 
 
@@ -351,7 +362,7 @@ def main(argv=None) -> int:
     try:
         args = parse_args(argv)
         base, out = Path(args.base), Path(args.out)
-        check_dirs(base, out)
+        check_dirs(base, out, args.save_at)
         cfg = ModelConfig.from_file(base / "config.json")
         if cfg.has_mtp:
             raise ValueError(f"num_nextn_predict_layers: {base} already has an MTP head; train_mtp.py adds one to "
@@ -359,14 +370,17 @@ def main(argv=None) -> int:
         if not cfg.eos_ids:
             raise ValueError("eos_token_id: documents are joined by EOS, and the base config names none")
         init_head = read_init_head(Path(args.init_head), cfg) if args.init_head else None
+        tok = Tokenizer.from_file(str(base / "tokenizer.json"))
+        data = make_windows(args, tok, cfg.eos_ids[0], cfg.vocab_size)  # a corpus it cannot use is refused here
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    run(args, base, out, cfg, init_head)
+    run(args, base, out, cfg, data, init_head)
     return 0
 
 
-def run(args, base: Path, out: Path, cfg: ModelConfig, init_head: dict | None = None):
+def run(args, base: Path, out: Path, cfg: ModelConfig, data: tuple, init_head: dict | None = None):
+    """Train the head on data = make_windows(...) and write --out (and the --save-at snapshots)."""
     t0 = time.time()
     log = lambda msg: print(f"[{time.time() - t0:7.1f}s] {msg}", file=sys.stderr, flush=True)  # noqa: E731
     threads = base_train.ThreadTuner((2, 1) if args.threads == "auto" else (int(args.threads),))
@@ -374,8 +388,7 @@ def run(args, base: Path, out: Path, cfg: ModelConfig, init_head: dict | None = 
     device = torch.device(args.device)
     amp = functools.partial(torch.autocast, device.type, dtype=torch.bfloat16, enabled=args.amp == "bf16")
 
-    tok = Tokenizer.from_file(str(base / "tokenizer.json"))
-    train_w, held_w, source = make_windows(args, tok, cfg.eos_ids[0], cfg.vocab_size)
+    train_w, held_w, source = data
     log(f"corpus: {source}: {len(train_w)} training windows of {args.seq_len + 1} tokens, {len(held_w)} held out")
 
     model = load_model(base, device=device, dtype=torch.float32)  # frozen; fp32 so the head trains on fp32 inputs
@@ -421,7 +434,7 @@ def run(args, base: Path, out: Path, cfg: ModelConfig, init_head: dict | None = 
         while pending_saves and (train_s >= 60 * pending_saves[0] or done):
             m = pending_saves.pop(0)
             if train_s >= 60 * m:  # a save point past the end of the run is not written
-                record(out.parent / f"{out.name}-{m:g}min", final=False)
+                record(snapshot_path(out, m), final=False)
         if done:
             break
         progress = step / args.steps if args.steps else train_s / budget
