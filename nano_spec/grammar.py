@@ -10,8 +10,6 @@ need masks of states after drafts that may be rejected: they push the drafts, re
 masks and roll back (`DraftMasks`), so the matcher is never left ahead.
 """
 import json
-import math
-import re
 import time
 from pathlib import Path
 
@@ -20,10 +18,6 @@ import torch
 
 FIELDS = ("json_schema", "regex", "grammar")  # the SamplingParams fields that constrain, at most one set
 DEAD_END = ("NoExtension", "NoExtensionBias")  # llguidance's stop reasons when nothing can follow
-# llguidance walks a forced run (text only one way can continue) item by item and fails mid-output somewhere
-# past 25,000 items (x{260000}, "x"{100000}, start: "x" start); so a repetition count, or the length of the
-# shortest text a constraint allows, above this is refused before anything is queued
-REPEAT_LIMIT = 10_000
 # JSON without whitespace between tokens unless the schema's own "x-guidance" says otherwise (its keys win, one by
 # one): in llguidance's default, any run of whitespace anywhere, a small model emits newlines until max_new_tokens
 # (DESIGN §11)
@@ -171,13 +165,7 @@ class Grammars:
                 raise ValueError(f"SamplingParams.{field}: a regex ends in a lone backslash (write \\\\ for a "
                                  "backslash)")
             matcher = self._compile(field, value)
-            self._check_sizes(field, value, regexes)
-            probe = matcher.deep_copy()  # the first mask: llguidance finds an empty language only when asked
-            allowed = Constraint(probe, (self.V + 31) // 32).mask().any()
-            if not allowed or probe.is_error():
-                err = one_line(probe.get_error()) or "no token allowed"
-                what = "unsatisfiable: no text matches it" if err in DEAD_END or not allowed else "invalid"
-                raise ValueError(f"SamplingParams.{field}: {what} (llguidance: {err})")
+            self._probe(field, matcher.deep_copy())
             if len(self.compiled) >= 64:  # a bounded cache: forget the oldest grammar
                 self.compiled.pop(next(iter(self.compiled)))
             self.compiled[key] = matcher
@@ -199,33 +187,20 @@ class Grammars:
             raise ValueError(f"SamplingParams.{field}: invalid (llguidance: {one_line(err)})")
         return matcher
 
-    def _check_sizes(self, field: str, value, regexes: list):
-        """Refuse a Lark grammar with parts no finite text matches, and repetition counts or shortest texts
-        above REPEAT_LIMIT."""
-        if field == "grammar":
-            dead, shortest, biggest = lark_check(value, self._shortest_match)
-        else:
-            sizes = [regex_sizes(r) for r in regexes]
-            dead, shortest, biggest = [], max((n for n, _ in sizes), default=0), max((b for _, b in sizes), default=0)
-        if dead:
-            raise ValueError(f"SamplingParams.grammar: unsatisfiable: {', '.join(dead)} can match no finite text")
-        if biggest > REPEAT_LIMIT:
-            raise ValueError(f"SamplingParams.{field}: repetition count {biggest} is above the limit {REPEAT_LIMIT}")
-        if shortest > REPEAT_LIMIT:
-            what = "a pattern's shortest match" if field == "json_schema" else "the shortest text it allows"
-            raise ValueError(f"SamplingParams.{field}: {what} has {shortest} characters, above the limit "
-                             f"{REPEAT_LIMIT} (nested repetition counts multiply)")
-
-    def _shortest_match(self, regex_literal: str) -> float:
-        """The shortest text a Lark regex literal (/.../flags) matches: inf when its language is empty, which
-        llguidance finds when it computes the first mask."""
-        g = llguidance.LLMatcher.grammar_from_lark(f"start: {regex_literal}")
-        if not llguidance.LLMatcher.validate_grammar(g, self.tok):  # else not something to judge alone
-            m = llguidance.LLMatcher(self.tok, g, log_level=0)
-            Constraint(m, (self.V + 31) // 32).mask()
-            if m.is_error():
-                return math.inf
-        return regex_sizes(regex_literal[1 : regex_literal.rindex("/")])[0]
+    def _probe(self, field: str, m: llguidance.LLMatcher):
+        """Walk the text the grammar forces from the start (the first mask, then the forced tokens): llguidance
+        finds an empty language, a dead end after the forced text, or a forced run longer than it can follow
+        (x{4294967295}, start: "x" start) only there. A dead end off the forced path ends its request at run time
+        with an error instead (Constraint.consume)."""
+        Constraint(m, (self.V + 31) // 32).mask()
+        if not m.is_error():
+            m.consume_tokens(m.compute_ff_tokens())
+            if not m.is_error():
+                Constraint(m, (self.V + 31) // 32).mask()
+        if m.is_error():
+            err = one_line(m.get_error())
+            what = "unsatisfiable: no text matches it" if err in DEAD_END else "refused"
+            raise ValueError(f"SamplingParams.{field}: {what} (llguidance: {err})")
 
 
 def json_grammar(schema) -> str:
@@ -253,321 +228,3 @@ def schema_patterns(schema):
                 yield from v
             if k not in ("const", "enum", "default", "examples"):
                 yield from schema_patterns(v)
-
-
-REGEX_COUNT = re.compile(r"\{\s*(\d*)\s*(,\s*(\d*)\s*)?\}")
-
-
-def regex_sizes(rx: str) -> tuple:
-    """(length of the shortest text the regex matches, largest repetition count written in it), read from the
-    regex syntax llguidance takes (Rust's regex crate); the emptiness of a class such as [a&&b] is not judged.
-    A regex this reading does not follow gives (0, 0): llguidance has parsed it, only the sizes are unknown."""
-    pos, biggest = 0, 0
-
-    def alternatives() -> int:
-        nonlocal pos
-        best = sequence()
-        while pos < len(rx) and rx[pos] == "|":
-            pos += 1
-            best = min(best, sequence())
-        return best
-
-    def sequence() -> int:
-        nonlocal pos, biggest
-        total = 0
-        while pos < len(rx) and rx[pos] not in "|)":
-            n, lo = atom(), 1
-            m = REGEX_COUNT.match(rx, pos)
-            if pos < len(rx) and rx[pos] in "*+?":
-                lo, pos = int(rx[pos] == "+"), pos + 1
-            elif m:
-                lo, pos = int(m[1] or 0), m.end()
-                biggest = max(biggest, lo, int(m[3] or 0))
-            if pos < len(rx) and rx[pos] == "?":  # lazy
-                pos += 1
-            total += n * lo if lo else 0
-        return total
-
-    def atom() -> int:
-        nonlocal pos
-        c = rx[pos]
-        if c == "(":
-            flags = re.compile(r"\?[a-zA-Z-]*\)").match(rx, pos + 1)  # (?i): flags only, no text
-            if flags:
-                pos = flags.end()
-                return 0
-            head = re.compile(r"\?(P?<\w+>|[a-zA-Z-]*:)").match(rx, pos + 1)
-            pos = head.end() if head else pos + 1
-            n = alternatives()
-            if rx[pos] != ")":
-                raise ValueError("unbalanced group")
-            pos += 1
-            return n
-        if c == "[":
-            pos = class_end(rx, pos)
-            return 1
-        if c == "\\":
-            nxt = rx[pos + 1]
-            pos += 2
-            if nxt in "pPxuU" and rx.startswith("{", pos):
-                pos = rx.index("}", pos) + 1
-            elif nxt in "pP":
-                pos += 1  # one-letter class name
-            elif nxt == "x":
-                pos += 2  # two hex digits
-            return 0 if nxt in "bBAz<>" else 1  # word boundaries and anchors match no text
-        pos += 1
-        return 0 if c in "^$" else 1
-
-    try:
-        shortest = alternatives()
-        return (shortest, biggest) if pos == len(rx) else (0, 0)
-    except (IndexError, ValueError):
-        return 0, 0
-
-
-def class_end(rx: str, i: int) -> int:
-    """The index past the character class that opens at rx[i] (classes nest: [a-z&&[^x]], [[:alpha:]])."""
-    depth = 0
-    while i < len(rx):
-        if rx[i] == "\\":
-            i += 2
-            continue
-        if rx[i] == "[":
-            depth += 1
-            i += 1 + rx.startswith("^", i + 1)
-            i += rx.startswith("]", i)  # a ] first in a class is a literal
-            continue
-        i += 1
-        if rx[i - 1] == "]":
-            depth -= 1
-            if depth == 0:
-                return i
-    raise ValueError("unclosed class")
-
-
-# ---- Lark: parts of a grammar that no finite text matches, and its shortest text -------------------------
-# llguidance compiles `start: "x" start` or a rule needing a terminal whose regex matches nothing, then the
-# output stops or fails in a dead end. The shortest text each rule derives is found as a least fixed point
-# (inf: none); every rule and terminal reachable from start must derive some. The parser follows llguidance's
-# Lark syntax as far as this needs; for anything else (templates, terminal operators) it refuses nothing.
-
-LARK_TOKEN = re.compile(r"""(?P<skip>(?:\#|//)[^\n]*|[ \t]+)|(?P<nl>(?:\r?\n[ \t]*)+)|(?P<dir>%[a-z_]+)
-    |(?P<str>"(?:\\.|[^"\\])*"i?)|(?P<re>/(?:\\.|[^/\\\n])+/[imslux]*)
-    |(?P<rule>!?[_?]?[a-z][_a-z0-9\-]*)|(?P<token>_?[A-Z][_A-Z0-9]*)|(?P<num>[0-9]+)
-    |(?P<special><[^<>\s]+>)|(?P<ref>@[\w\-]+)|(?P<op>->|\.\.|[:|()\[\]{}~,.=&+*?])""", re.X)
-JSON_STRING = re.compile(r'"(?:\\.|[^"\\])*"')
-
-
-class Unsupported(Exception):
-    """Lark syntax the dead-part check does not follow."""
-
-
-def lark_tokens(text: str) -> list:
-    """(kind, text) pairs; a %directive followed by a JSON object carries it as one 'blob' token."""
-    out, i = [], 0
-    while i < len(text):
-        m = LARK_TOKEN.match(text, i)
-        if m is None:
-            raise Unsupported(text[i : i + 10])
-        i = m.end()
-        if m.lastgroup == "skip":
-            continue
-        out.append((m.lastgroup, m.group()))
-        start = len(text) - len(text[i:].lstrip(" \t"))  # the next character that is not a blank
-        if m.lastgroup == "dir" and text.startswith("{", start):
-            i = json_end(text, start)
-            out.append(("blob", text[start:i]))
-    return out
-
-
-def json_end(text: str, i: int) -> int:
-    """The end of the JSON object that starts at text[i]."""
-    depth = 0
-    while i < len(text):
-        if text[i] == '"':
-            m = JSON_STRING.match(text, i)
-            if m is None:
-                raise Unsupported("string")
-            i = m.end()
-            continue
-        depth += (text[i] in "{[") - (text[i] in "}]")
-        i += 1
-        if depth == 0:
-            return i
-    raise Unsupported("unclosed {")
-
-
-class LarkRules:
-    """Definitions name -> ("alt", [expansion]), an expansion a list of (atom, min repeats, max repeats or None),
-    an atom ("lit", its length), ("re", literal), ("name", name) or a nested ("alt", ...)."""
-
-    def __init__(self, text: str):
-        self.toks, self.pos, self.defs = lark_tokens(text), 0, {}
-        while self.peek():
-            if self.peek()[0] == "nl":
-                self.pos += 1
-            else:
-                self.item()
-
-    def peek(self, ahead: int = 0):
-        return self.toks[self.pos + ahead] if self.pos + ahead < len(self.toks) else None
-
-    def take(self, text: str | None = None, kind: str | None = None):
-        t = self.peek()
-        if t is None or (text is not None and t[1] != text) or (kind is not None and t[0] != kind):
-            raise Unsupported(f"expected {text or kind}")
-        self.pos += 1
-        return t
-
-    def at(self, *texts) -> bool:
-        t = self.peek()
-        return t is not None and t[0] == "op" and t[1] in texts
-
-    def item(self):
-        kind, text = self.peek()
-        if kind in ("rule", "token"):
-            self.definition()
-        elif text in ("%ignore", "%import", "%declare"):  # nothing a derivation from start needs
-            while self.peek() and self.peek()[0] != "nl":
-                self.pos += 1
-        elif text == "%override":
-            self.pos += 1
-            self.definition()
-        elif text == "%llguidance":  # options, no symbols
-            self.take(text)
-            self.take(kind="blob")
-        else:
-            raise Unsupported(text)
-        if self.peek():
-            self.take(kind="nl")
-
-    def definition(self):
-        name = self.take()[1].lstrip("!?")
-        if self.at("{"):
-            raise Unsupported("template")
-        if self.at("["):  # attributes such as max_tokens=: they do not change what matches
-            while not self.at("]"):
-                self.take()
-            self.take("]")
-        if self.at("."):
-            self.take(".")
-            self.take(kind="num")
-        self.take(":")
-        self.defs[name] = self.alternatives()
-
-    def alternatives(self):
-        alts = [self.expansion()]
-        while self.at("|") or (self.peek() and self.peek()[0] == "nl" and self.peek(1) == ("op", "|")):
-            self.pos += 1 if self.at("|") else 2
-            alts.append(self.expansion())
-        return ("alt", alts)
-
-    def expansion(self) -> list:
-        parts = []
-        while self.peek() and self.peek()[0] != "nl" and not self.at("|", "->", ")", "]", "}"):
-            parts.append(self.repeated())
-        if self.at("->"):  # an alias names the tree node only
-            self.take("->")
-            self.take(kind="rule")
-        return parts
-
-    def repeated(self) -> tuple:
-        atom = self.atom()
-        lo, hi = 1, 1
-        if self.at("?", "*", "+"):
-            lo, hi = {"?": (0, 1), "*": (0, None), "+": (1, None)}[self.take()[1]]
-        elif self.at("~"):
-            self.take("~")
-            lo = hi = int(self.take(kind="num")[1])
-            if self.at(".."):
-                self.take("..")
-                hi = int(self.take(kind="num")[1])
-        elif self.at("{"):
-            self.take("{")
-            lo = int(self.take(kind="num")[1]) if self.peek() and self.peek()[0] == "num" else 0
-            hi = lo
-            if self.at(","):
-                self.take(",")
-                hi = int(self.take(kind="num")[1]) if self.peek() and self.peek()[0] == "num" else None
-            self.take("}")
-        return atom, lo, hi
-
-    def atom(self) -> tuple:
-        kind, text = self.peek()
-        if self.at("(", "["):
-            self.pos += 1
-            alts = self.alternatives()
-            self.take(")" if text == "(" else "]")
-            return ("alt", alts[1] + ([[]] if text == "[" else []))  # [x]: x or nothing
-        self.pos += 1
-        if kind == "str":
-            if self.at(".."):  # a range of characters
-                self.take("..")
-                self.take(kind="str")
-                return ("lit", 1)
-            try:  # llguidance reads Lark strings as JSON strings
-                return ("lit", len(json.loads(text.removesuffix("i"))))
-            except json.JSONDecodeError:
-                return ("lit", 1)
-        if kind == "re":
-            return ("re", text)
-        if kind in ("rule", "token"):
-            if self.at("{") and not (self.peek(1) and (self.peek(1)[0] == "num" or self.peek(1)[1] == ",")):
-                raise Unsupported("template")
-            return ("name", text.lstrip("!?"))
-        if kind in ("special", "ref") or text == "%json":  # a special token, another grammar, a JSON schema
-            if text == "%json":
-                self.take(kind="blob")
-            return ("lit", 1)
-        raise Unsupported(text)
-
-
-def lark_check(text: str, shortest_match) -> tuple:
-    """(the rules, terminals and regex literals reachable from start that no finite text matches, in the order
-    they are reached; the length of the shortest text start derives; the largest repetition count written),
-    ([], 0, largest count in its regex literals) for syntax this check does not follow. shortest_match(literal)
-    is the shortest text a regex literal matches, inf when none."""
-    try:
-        toks = lark_tokens(text)
-    except Unsupported:
-        return [], 0, 0
-    biggest = max((regex_sizes(t[1 : t.rindex("/")])[1] for kind, t in toks if kind == "re"), default=0)
-    try:
-        defs = LarkRules(text).defs
-    except Unsupported:
-        return [], 0, biggest
-    if "start" not in defs:
-        return [], 0, biggest
-    reach, order = {"start"}, [("name", "start")]
-    for node in order:  # breadth first over names and regex literals
-        stack = [defs[node[1]]] if node[0] == "name" and node[1] in defs else []
-        while stack:
-            alt = stack.pop()
-            for part, lo, hi in (p for expansion in alt[1] for p in expansion):
-                biggest = max(biggest, lo, hi or 0)
-                if part[0] == "alt":
-                    stack.append(part)
-                elif part[0] in ("name", "re") and part[1] not in reach:
-                    reach.add(part[1])
-                    order.append(part)
-    regex_len = {part[1]: shortest_match(part[1]) for part in order if part[0] == "re"}
-    best = dict.fromkeys(defs, math.inf)  # name -> the shortest text it derives; inf: none (yet)
-
-    def length(part) -> float:
-        if part[0] == "alt":
-            return min(sum(lo * length(p) for p, lo, _ in expansion if lo) for expansion in part[1])
-        if part[0] == "name":
-            return best.get(part[1], 0)  # undefined: imported or declared, taken as matching something
-        return regex_len[part[1]] if part[0] == "re" else part[1]
-
-    shorter = True
-    while shorter:  # lengths only shrink, so this ends; a name left at inf derives no finite text
-        shorter = False
-        for name, alt in defs.items():
-            n = length(alt)
-            if n < best[name]:
-                best[name], shorter = n, True
-    dead = [part[1] for part in order if (part[0] == "re" and regex_len[part[1]] == math.inf)
-            or (part[0] == "name" and best.get(part[1], 0) == math.inf)]
-    return dead, best["start"], biggest

@@ -36,16 +36,15 @@ def refused(llm, params: SamplingParams, field: str) -> str:
 
 
 # ---- 1. constraints no text satisfies ---------------------------------------------------------------------
-UNSATISFIABLE = [
+UNSATISFIABLE = [  # found where the text the grammar forces from the start ends
     (dict(regex="[a&&b]"), "regex", "unsatisfiable"),                       # an empty character class
     (dict(regex="x[a&&b]|[c&&d]y"), "regex", "unsatisfiable"),              # every branch empty
     (dict(regex="a\\"), "regex", "lone backslash"),                        # would match "a"
     (dict(regex="ab\\\\\\"), "regex", "lone backslash"),                   # an escaped backslash, then a lone one
-    (dict(grammar='start: "x" Y\nY: /[a&&b]/'), "grammar", "Y, /[a&&b]/ can match no finite text"),
-    (dict(grammar='start: "a" | "b" Y\nY: /[a&&b]/'), "grammar", "Y, /[a&&b]/"),  # a dead end after "b"
-    (dict(grammar='start: A B\nA: "x"\nB: /[a&&b]/'), "grammar", "B, /[a&&b]/"),
-    (dict(grammar='start: "x" /[a&&b]/ "y"'), "grammar", "/[a&&b]/"),
-    (dict(grammar='start: a\na: "x" a'), "grammar", "start, a can match no finite text"),  # never ends
+    (dict(grammar='start: "x" Y\nY: /[a&&b]/'), "grammar", "unsatisfiable"),
+    (dict(grammar='start: A B\nA: "x"\nB: /[a&&b]/'), "grammar", "unsatisfiable"),
+    (dict(grammar='start: "x" /[a&&b]/ "y"'), "grammar", "unsatisfiable"),
+    (dict(grammar='start: a\na: "x" a'), "grammar", "Too many items"),      # never ends
 ]
 
 
@@ -71,9 +70,10 @@ def test_satisfiable_edges_still_run(llm, kw, check):
 
 
 def test_dead_end_is_an_error_not_a_stop(ckpt, monkeypatch):
-    """A grammar that passes the checks but walks into a dead end at run time: EOS is what llguidance allows
-    there, and the output it rejects must end as an error with one line, never as "stop"."""
-    monkeypatch.setattr(grammar_module, "lark_check", lambda *args: ([], 0, 0), raising=False)
+    """A grammar that walks into a dead end at run time (the construction probe, which would refuse this one, is
+    off): EOS is what llguidance allows there, and the output it rejects must end as an error with one line,
+    never as "stop"."""
+    monkeypatch.setattr(grammar_module.Grammars, "_probe", lambda *args: None)
     llm = LLM(ckpt, proposer="mtp", num_drafts=2, max_batch=2)
     outs = llm.generate(["h", "x = 1"], [SamplingParams(max_new_tokens=8, grammar='start: "x" Y\nY: /[a&&b]/'),
                                          SamplingParams(max_new_tokens=8, regex="[0-9]{3}")])
@@ -95,18 +95,14 @@ def test_top_k_at_its_bound_runs(llm):
     assert out.finish_reason in ("stop", "length") and out.error is None and len(out.token_ids) >= 1
 
 
-TOO_LARGE = [
-    (dict(regex="x{4294967295}"), "regex", "repetition count 4294967295 is above the limit 10000"),
-    (dict(regex="[a-z]{0,20000}"), "regex", "repetition count 20000 is above"),
-    (dict(regex="(x{1000}){1000}"), "regex", "shortest text it allows has 1000000 characters"),  # nested
-    (dict(regex="(abc{200}){100}|(x{200}y){60}"), "regex", "has 12060 characters"),  # the shorter branch counts
-    (dict(grammar="start: /x{4294967295}/"), "grammar", "repetition count 4294967295"),
-    (dict(grammar='start: "x"{100000}'), "grammar", "repetition count 100000"),
-    (dict(grammar='start: "x"~20000'), "grammar", "repetition count 20000"),
-    (dict(grammar='start: a{200}\na: "x"{200}'), "grammar", "has 40000 characters"),  # through a rule
-    (dict(grammar='start: a a a a a\na: "xy"{2000} | "long"{3000}'), "grammar", "has 20000 characters"),
-    (dict(grammar='start: "x" start'), "grammar", "start can match no finite text"),
-    (dict(json_schema={"type": "string", "pattern": "^x{4294967295}$"}), "json_schema", "repetition count"),
+TOO_LARGE = [  # forced runs longer than llguidance follows: refused up front instead of failing after a token
+    (dict(regex="x{4294967295}"), "regex", "too many expressions"),
+    (dict(regex="(x{1000}){1000}"), "regex", "refused (llguidance: "),  # nested
+    (dict(grammar="start: /x{4294967295}/"), "grammar", "refused (llguidance: "),
+    (dict(grammar='start: "x"{100000}'), "grammar", "refused (llguidance: "),
+    (dict(grammar='start: a{200}\na: "x"{200}'), "grammar", "refused (llguidance: "),  # through a rule
+    (dict(grammar='start: "x" start'), "grammar", "Too many items"),
+    (dict(json_schema={"type": "string", "pattern": "^x{4294967295}$"}), "json_schema", "refused (llguidance: "),
     (dict(json_schema={"type": "string", "pattern": "a\\"}), "json_schema", "lone backslash"),
 ]
 
@@ -116,7 +112,7 @@ def test_oversized_constraints_are_refused(llm, kw, field, message):
     assert message in refused(llm, SamplingParams(**kw), field)
 
 
-WITHIN_LIMITS = [  # counts at or under the limit, and the shortest text just under it
+WITHIN_LIMITS = [  # long but followable, and large counts off the forced path
     (dict(regex="x{3}"), lambda t: t == "xxx"),
     (dict(regex="(ab){2}c{0,10000}"), lambda t: re.fullmatch("ababc*", t)),
     (dict(grammar='start: a{3}\na: "ab"'), lambda t: t == "ababab"),
@@ -132,9 +128,9 @@ def test_constraints_within_the_limits_run(llm, kw, check):
 
 
 def test_llguidance_failures_are_one_line(ckpt, monkeypatch):
-    """With the size checks off, llguidance fails after a token: the request ends with an error of one line (no
-    parser state dump), never with "stop", and the other request in the batch is unharmed."""
-    monkeypatch.setattr(grammar_module, "REPEAT_LIMIT", 10**12, raising=False)
+    """With the construction probe off, llguidance fails after a token: the request ends with an error of one line
+    (no parser state dump), never with "stop", and the other request in the batch is unharmed."""
+    monkeypatch.setattr(grammar_module.Grammars, "_probe", lambda *args: None)
     llm = LLM(ckpt, proposer="mtp", num_drafts=2, max_batch=3)
     params = [SamplingParams(max_new_tokens=6, regex="x{4294967295}"),
               SamplingParams(max_new_tokens=6, grammar='start: a{200}\na: "x"{200}'),
