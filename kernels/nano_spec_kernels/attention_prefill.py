@@ -96,9 +96,15 @@ def rope_store_meta(Dh: int) -> dict:
 
 
 def prefill_meta(Dh: int, dtype: torch.dtype, cuda: bool) -> dict:
-    """_prefill_attention_kernel's meta-parameters (scripts/compile_check.py compiles these)."""
-    block = 64 if cuda else 32
-    return dict(DH_PAD=pow2(Dh), BLOCK_M=block, BLOCK_N=block, DOT_PREC=dot_precision(dtype), num_warps=4, num_stages=3)
+    """_prefill_attention_kernel's meta-parameters (scripts/compile_check.py compiles these), on sm_90:
+    bf16/fp16: 64 x 64 blocks, 4 warps, 3 stages (no spill up to Dh = 128); fp32 ("ieee" tl.dot, on the FMA
+    units): 32 x 32 blocks, the interpreter's, 8 warps, 2 stages, since 64 x 64 spills kilobytes at any warp count."""
+    if cuda and dtype != torch.float32:
+        block, warps, stages = 64, 4, 3
+    else:
+        block, warps, stages = 32, 8, 2
+    return dict(DH_PAD=pow2(Dh), BLOCK_M=block, BLOCK_N=block, DOT_PREC=dot_precision(dtype), num_warps=warps,
+                num_stages=stages)
 
 
 def attention_prefill_plan(q, k, v, k_cache, v_cache, slot: int, scale: float, rope_theta=None, *, cuda: bool,

@@ -127,10 +127,21 @@ def _combine_kernel(
 
 
 def verify_meta(Hq: int, Hkv: int, Dh: int, K: int, dtype: torch.dtype, cuda: bool) -> dict:
-    """_verify_attention_kernel's meta-parameters (scripts/compile_check.py compiles these): the query tile
-    stacks the REP*K rows of one KV head (at least 16, tl.dot's least side)."""
-    return dict(BLOCK_M=pow2((Hq // Hkv) * K), BLOCK_N=64 if cuda else 32, DH_PAD=pow2(Dh), K_PAD=pow2(K),
-                DOT_PREC=dot_precision(dtype), num_warps=4, num_stages=3)
+    """_verify_attention_kernel's meta-parameters (scripts/compile_check.py compiles these). The query tile stacks
+    the REP*K rows of one KV head (at least 16, tl.dot's least side). The key blocks, on sm_90:
+
+      bf16/fp16: BLOCK_N x DH_PAD <= 64 x 64 elements, 4 warps, 3 stages. At Dh = 128 a 64-key block takes 128+
+        registers and 72 KB for its three staged K/V tiles, 12 resident warps per SM; 32 keys keep 120 registers,
+        38 KB and 16 warps (a decode kernel's floor, compile_check.MIN_WARPS).
+      fp32 ("ieee" tl.dot, on the FMA units): 32-key blocks, the interpreter's (so CUDA fp32 blocks the sum as the
+        tests do), 8 warps, 2 stages; 4 warps spill at Dh = 128."""
+    DH_PAD = pow2(Dh)
+    if cuda and dtype != torch.float32:
+        block_n, warps, stages = min(64, max(16, 4096 // DH_PAD)), 4, 3
+    else:
+        block_n, warps, stages = 32, 8, 2
+    return dict(BLOCK_M=pow2((Hq // Hkv) * K), BLOCK_N=block_n, DH_PAD=DH_PAD, K_PAD=pow2(K),
+                DOT_PREC=dot_precision(dtype), num_warps=warps, num_stages=stages)
 
 
 def combine_meta(Dh: int, splits: int) -> dict:

@@ -25,7 +25,9 @@ from nano_spec_kernels.common import (FLOAT, ROW, Arg, Checker, Launch, conv_sil
                                       mamba_channels, mamba_dt, mamba_dt_ref, pow2, run, sm_count, split_xbc,
                                       ssm_step_ref, tl, triton)
 
-CHUNK = 32  # Q: tokens per chunk of the SSD form (tl.dot wants >= 16; 64 spills on sm_90 with N = 128)
+# Q: tokens per chunk of the SSD form. tl.dot wants >= 16; with N = 128 a chunk of 32 needs more than 255 registers
+# per thread on sm_90 and spills at any warp count (its dots are "ieee", on the FMA units), 16 does not.
+CHUNK = 16
 
 _check = Checker("mamba_scan")
 _ARGS = {"xBC": Arg("T C", FLOAT, ROW), "dt": Arg("T H", FLOAT, ROW),
@@ -161,11 +163,13 @@ def _mamba_scan_chunked_kernel(
 
 def scan_meta(method: str, P: int, N: int, W: int, dtype: torch.dtype) -> dict:
     """Meta-parameters of the "recurrent" or "chunked" kernel (scripts/compile_check.py compiles these):
-    16 head dims per program, more programs for few heads; tl.dot needs blocks >= 16."""
+    16 head dims per program, more programs for few heads; tl.dot needs blocks >= 16. The chunked kernel: 8 warps
+    (16 cap a thread at 128 registers and spill), 2 stages (the next chunk's loads in flight; 3 add shared memory
+    and registers for nothing, the program already holds one SM)."""
     common = dict(BLOCK_N=pow2(N), BLOCK_W=triton.next_power_of_2(W))
     if method == "recurrent":
         return dict(common, BLOCK_P=min(triton.next_power_of_2(P), 16), num_warps=4)
-    return dict(common, BLOCK_P=16, Q=CHUNK, num_warps=8)
+    return dict(common, BLOCK_P=16, Q=CHUNK, num_warps=8, num_stages=2)
 
 
 def mamba_scan_plan(xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, n_groups: int, head_dim: int,
