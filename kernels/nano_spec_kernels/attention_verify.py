@@ -20,8 +20,8 @@ never on seq_lens values, so there is no host sync; programs past a sequence's l
 import torch
 
 from nano_spec_kernels.common import (DOT, INT, ROW, Arg, Checker, Launch, apply_rope_ref, dot_precision,
-                                      online_softmax_step, pow2, rope_inv_freq, rope_load, run, sm_count, split_plan,
-                                      tl, triton)
+                                      next_pow2, online_softmax_step, pow2, rope_inv_freq, rope_load, run, sm_count,
+                                      split_plan, tl, triton)
 
 _check = Checker("attention_verify")
 _ARGS = {"q": Arg("B K Hq Dh", DOT, ROW), "k, v": Arg("B K Hkv Dh", "q", ROW),
@@ -196,6 +196,21 @@ def attention_verify(q, k, v, k_cache, v_cache, slot_ids, seq_lens, scale: float
     The caller guarantees seq_lens[b] + K <= L (checked by the reference's indexing, not here: that
     would need a host sync); new rows past L are not stored."""
     return _attention_verify(q, k, v, k_cache, v_cache, slot_ids, seq_lens, scale, rope_theta)
+
+
+def attention_verify_bytes(B: int, K: int, Hq: int, Hkv: int, Dh: int, ctx: int, act: int, splits: int = 1,
+                           rope: bool = False) -> dict:
+    """The bytes one call moves, by tensor: what each launch loads or stores, every element once per launch (each
+    K/V cache row is read once for all REP*K query rows of its KV head). ctx: the cache rows each sequence
+    already holds (seq_lens); act: bytes of an element of q and of the cache; ids int64, partials fp32."""
+    out = {
+        "q": B * K * Hq * Dh * act, "k, v": 2 * B * K * Hkv * Dh * act, "cache rows read": 2 * B * ctx * Hkv * Dh * act,
+        "slot_ids, seq_lens": 2 * B * 8, "inv_freq": Dh // 2 * 4 if rope else 0,
+        "cache rows written": 2 * B * K * Hkv * Dh * act, "o": B * K * Hq * Dh * act,
+    }
+    if splits > 1:  # (m, l, acc) of every split, written by the splits and read by _combine_kernel
+        out["partials written"] = out["partials read"] = B * K * Hq * splits * (2 + max(16, next_pow2(Dh))) * 4
+    return out
 
 
 def attention_verify_ref(q, k, v, k_cache, v_cache, slot_ids, seq_lens, scale: float, rope_theta=None):

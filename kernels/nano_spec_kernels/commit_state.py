@@ -79,6 +79,17 @@ def commit_state(ssm_state, conv_state, ssm_stash, conv_stash, slot_ids, na, act
                           cuda=ssm_state.is_cuda, n_sm=sm_count(ssm_state.device))[0])
 
 
+def commit_state_bytes(L: int, B: int, K: int, H: int, P: int, N: int, C: int, W: int, act: int,
+                       rows: int | None = None) -> dict:
+    """The bytes one call moves, by tensor, when `rows` of the B sequences commit (all of them when None; a row
+    that does not commit moves nothing): per Mamba layer and committing row, one stash state read and one live
+    state written, ssm (fp32) and conv window (act bytes an element); slot_ids, na (int64) and active read once."""
+    rows = B if rows is None else rows
+    return {"slot_ids, na, active": B * (8 + 8 + 1),
+            "ssm_stash read": L * rows * H * P * N * 4, "ssm_state written": L * rows * H * P * N * 4,
+            "conv_stash read": L * rows * C * (W - 1) * act, "conv_state written": L * rows * C * (W - 1) * act}
+
+
 def commit_state_ref(ssm_state, conv_state, ssm_stash, conv_stash, slot_ids, na, active):
     """ssm_state (L, S, H, P, N), conv_state (L, S, C, W-1), ssm_stash (L, B, K, H, P, N),
     conv_stash (L, B, C, W-1+K), slot_ids, na (B,) int, active (B,) bool. In place, only the rows

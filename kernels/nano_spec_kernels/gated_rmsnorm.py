@@ -55,6 +55,13 @@ def gated_rmsnorm(y, z, weight, group_size: int, eps: float):
     return out
 
 
+def gated_rmsnorm_bytes(rows: int, d_in: int, act: int, param: int | None = None) -> dict:
+    """The bytes one call moves, by tensor: y and z read, the weight read once, the output written; act bytes
+    an element of y and z, param of the weight (act when None), the output in the wider of the two."""
+    param = act if param is None else param
+    return {"y, z": 2 * rows * d_in * act, "weight": d_in * param, "out": rows * d_in * max(act, param)}
+
+
 def gated_rmsnorm_ref(y, z, weight, group_size: int, eps: float):
     """y, z (..., d_in), weight (d_in,) -> (..., d_in) in z's dtype."""
     u = y.float() * F.silu(z.float())

@@ -46,6 +46,11 @@ def gather_rows(src, idx):
     return out
 
 
+def gather_rows_bytes(B: int, D: int, act: int) -> dict:
+    """The bytes one call moves, by tensor: one row of D elements (act bytes) read and written per sequence."""
+    return {"src rows": B * D * act, "idx": B * 8, "out": B * D * act}
+
+
 def gather_rows_ref(src, idx):
     """src (B, K, D), idx (B,) int -> (B, D)."""
     return src[torch.arange(src.shape[0], device=src.device), idx]

@@ -185,6 +185,23 @@ def mamba_verify(xBC, dt, conv_state, ssm_state, slot_ids, conv_weight, conv_bia
     return y
 
 
+def mamba_verify_bytes(B: int, K: int, H: int, P: int, N: int, G: int, W: int, act: int, param: int | None = None,
+                       bias: bool = True) -> dict:
+    """The bytes one call moves, by tensor: what each of its two launches loads or stores, every element once per
+    launch (the B/C channels each head block of a group reads again come from L2). act: bytes of an activation and
+    of the conv state, param: of a layer weight (act when None); the ssm state and stash are fp32, ids int64.
+    The K stash states (4*K*H*P*N per sequence) are most of it."""
+    param = act if param is None else param
+    C, HPN = H * P + 2 * G * N, H * P * N
+    return {
+        "xBC": B * K * C * act, "dt": B * K * H * act, "conv_state read": B * C * (W - 1) * act,
+        "ssm_state read": B * HPN * 4, "weights": (C * W + C * bias + 3 * H) * param, "slot_ids": 2 * B * 8,
+        "ssm_stash": B * K * HPN * 4, "ssm_state written": B * HPN * 4, "conv_stash": B * C * (W - 1 + K) * act,
+        "y": B * K * H * P * act,
+        "conv_stash read": B * C * (W - 1) * act, "conv_state written": B * C * (W - 1) * act,  # _conv_window_kernel
+    }
+
+
 def mamba_verify_ref(xBC, dt, conv_state, ssm_state, slot_ids, conv_weight, conv_bias, dt_bias, A_log, D,
                      ssm_stash, conv_stash, n_groups: int, dt_limit=(0.0, float("inf"))):
     """xBC (B, K, C), dt (B, K, H); conv_state (S, C, W-1) and ssm_state (S, H, P, N) fp32 of one layer,

@@ -62,6 +62,14 @@ def rmsnorm(x, weight, eps: float, residual=None, multiplier: float = 1.0):
     return out
 
 
+def rmsnorm_bytes(rows: int, D: int, act: int, residual: bool, param: int | None = None) -> dict:
+    """The bytes one call moves, by tensor: x (and the residual) read, the weight read once, y (and h) written;
+    act bytes an element of x, param of the weight (act when None), y in the wider of the two."""
+    param = act if param is None else param
+    return {"x": rows * D * act, "residual": rows * D * act * residual, "weight": D * param,
+            "y": rows * D * max(act, param), "h": rows * D * act * residual}
+
+
 def rmsnorm_ref(x, weight, eps: float, residual=None, multiplier: float = 1.0):
     """x (..., D), weight (D,), residual (..., D) or None -> (y, h), both (..., D)."""
     h = x if residual is None else residual + multiplier * x

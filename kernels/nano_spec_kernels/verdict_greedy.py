@@ -129,6 +129,14 @@ def verdict_greedy(logits, drafts, nd, bitmask=None):
     return _verdict_greedy(logits, drafts, nd, bitmask)
 
 
+def verdict_greedy_bytes(B: int, K: int, V: int, act: int, splits: int, mask: bool = False) -> dict:
+    """The bytes one call moves, by tensor: the logits (act bytes an element) and the grammar's bitmask read once,
+    the (max, index) partials of the splits written and read back, drafts, nd, picks and na (int64)."""
+    return {"logits": B * K * V * act, "bitmask": B * K * ((V + 31) // 32) * 4 if mask else 0,
+            "partials written": B * K * splits * 8, "partials read": B * K * splits * 8,
+            "drafts, nd": B * (K - 1) * 8 + B * 8, "picks, na": B * K * 8 + B * 8}
+
+
 def unpack_bitmask(bitmask, V: int):
     """bitmask (..., W) int32, bit t % 32 of word t // 32 -> allowed (..., V) bool."""
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)

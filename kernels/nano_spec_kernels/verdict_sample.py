@@ -146,6 +146,17 @@ def _verdict_sample(logits, draft_probs, drafts, nd, uniforms, temperature, top_
     return out
 
 
+def verdict_sample_bytes(B: int, K: int, V: int, act: int) -> dict:
+    """The bytes one call moves, by tensor, at the least: the torch part reads the logits (act bytes an element)
+    and the sampling settings and writes the filtered probabilities p (B, K, V) fp32 (its sort and scans move
+    several times that, not counted); the kernel reads each sequence's row p[b, na] and, after a rejection is
+    possible (K > 1), the draft row q[b, na], the K-1 values at the drafts in each, drafts, nd and uniforms,
+    and writes na and the token."""
+    return {"logits": B * K * V * act, "temperature, top_k, top_p": B * (4 + 8 + 4), "p written": B * K * V * 4,
+            "p row": B * V * 4, "q row": B * V * 4 if K > 1 else 0, "p, q at drafts": 2 * B * (K - 1) * 4,
+            "drafts, nd, uniforms": B * (K - 1) * 8 + B * 8 + B * K * 4, "na, token": 2 * B * 8}
+
+
 def verdict_sample(logits, draft_probs, drafts, nd, uniforms, temperature, top_k, top_p):
     """Triton version of verdict_sample_ref (same signature; (na, token) equal for the same uniforms,
     up to the cumsum rounding discussed in the module docstring)."""
