@@ -52,8 +52,8 @@ def _commit_state_kernel(p_ssm_state, p_conv_state, p_ssm_stash, p_conv_stash, p
     tl.store(dst + o, tl.load(src + o_c * (Wm1 + K) + b_na + 1 + o_w, mask=m), mask=m)
 
 
-def commit_meta(dtype: torch.dtype) -> dict:
-    """_commit_state_kernel's meta-parameters (scripts/compile_check.py compiles these); dtype: the conv state's."""
+def commit_meta() -> dict:
+    """_commit_state_kernel's meta-parameters (scripts/compile_check.py compiles these)."""
     return dict(BLOCK=1024, num_warps=4)
 
 
@@ -66,7 +66,7 @@ def commit_state_plan(ssm_state, conv_state, ssm_stash, conv_stash, slot_ids, na
     if L * Bsz == 0:
         return [], None
     HPN = d.H * d.P * d.N
-    meta = commit_meta(conv_state.dtype)
+    meta = commit_meta()
     grid = (L * Bsz, triton.cdiv(max(HPN, C * Wm1), meta["BLOCK"]))
     args = (ssm_state, conv_state, ssm_stash, conv_stash, slot_ids, na, active.view(torch.uint8), Bsz, S, K, HPN, C)
     return [Launch(_commit_state_kernel, grid, args, dict(Wm1=Wm1, **meta))], None

@@ -54,8 +54,9 @@ class Launch(NamedTuple):
 
 
 def run(launches):
-    for k in launches:
-        k.kernel[k.grid](*k.args, **k.meta)
+    """Launch a plan's kernels in order."""
+    for launch in launches:
+        launch.kernel[launch.grid](*launch.args, **launch.meta)
 
 
 def one_of(*dtypes: torch.dtype) -> tuple:

@@ -28,7 +28,7 @@ def _gated_rmsnorm_kernel(p_y, p_z, p_w, p_out, d_in, group_size, eps, stride_y,
     tl.store(p_out + i_m * d_in + o, (b_w * b_n).to(p_out.dtype.element_ty), mask=m)
 
 
-def gated_meta(group_size: int, dtype: torch.dtype) -> dict:
+def gated_meta(group_size: int) -> dict:
     """_gated_rmsnorm_kernel's meta-parameters (scripts/compile_check.py compiles these): a group in one block."""
     BLOCK = triton.next_power_of_2(group_size)
     return dict(BLOCK=BLOCK, num_warps=min(16, max(1, BLOCK // 256)))
@@ -44,7 +44,7 @@ def gated_rmsnorm_plan(y, z, weight, group_size: int, eps: float, *, cuda: bool,
         return [], out
     return [Launch(_gated_rmsnorm_kernel, (y2.shape[0], d_in // group_size),
                    (y2, z2, weight, out, d_in, group_size, float(eps), y2.stride(0), z2.stride(0)),
-                   gated_meta(group_size, z.dtype))], out
+                   gated_meta(group_size))], out
 
 
 def gated_rmsnorm(y, z, weight, group_size: int, eps: float):

@@ -22,7 +22,7 @@ def _gather_rows_kernel(p_src, p_idx, p_out, D, s_src_b, s_src_k, s_out_b, BLOCK
     tl.store(p_out + i_b * s_out_b + o_d, b_x, mask=m_d)
 
 
-def gather_meta(D: int, dtype: torch.dtype) -> dict:
+def gather_meta(D: int) -> dict:
     """_gather_rows_kernel's meta-parameters (scripts/compile_check.py compiles these)."""
     return dict(BLOCK_D=min(1024, triton.next_power_of_2(D)), num_warps=4)
 
@@ -34,7 +34,7 @@ def gather_rows_plan(src, idx, *, cuda: bool, n_sm: int):
     out = torch.empty((Bsz, D), dtype=src.dtype, device=src.device)
     if Bsz == 0 or D == 0:
         return [], out
-    meta = gather_meta(D, src.dtype)
+    meta = gather_meta(D)
     return [Launch(_gather_rows_kernel, (Bsz, triton.cdiv(D, meta["BLOCK_D"])),
                    (src, idx, out, D, src.stride(0), src.stride(1), out.stride(0)), meta)], out
 

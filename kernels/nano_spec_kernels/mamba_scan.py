@@ -161,11 +161,11 @@ def _mamba_scan_chunked_kernel(
     _store_conv_window(p_xbc, p_win, T, stride_t, o_cc, m_own, W - 1, BLOCK_W)
 
 
-def scan_meta(method: str, P: int, N: int, W: int, dtype: torch.dtype) -> dict:
+def scan_meta(method: str, P: int, N: int, W: int) -> dict:
     """Meta-parameters of the "recurrent" or "chunked" kernel (scripts/compile_check.py compiles these):
     16 head dims per program, more programs for few heads; tl.dot needs blocks >= 16. The chunked kernel: 8 warps
-    (16 cap a thread at 128 registers and spill), 2 stages (the next chunk's loads in flight; 3 add shared memory
-    and registers for nothing, the program already holds one SM)."""
+    (16 cap a thread at 128 registers and spill), 2 stages (the next chunk's loads in flight; a third adds shared
+    memory and registers but no occupancy: 8 warps at ~220 registers fill an SM's register file already)."""
     common = dict(BLOCK_N=pow2(N), BLOCK_W=triton.next_power_of_2(W))
     if method == "recurrent":
         return dict(common, BLOCK_P=min(triton.next_power_of_2(P), 16), num_warps=4)
@@ -189,7 +189,7 @@ def mamba_scan_plan(xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, n_groups
     window = torch.empty(C, W - 1, device=xBC.device, dtype=xBC.dtype)
     if method == "auto":
         method = "chunked" if (cuda and T >= 2 * CHUNK) else "recurrent"
-    meta = scan_meta(method, P, N, W, xBC.dtype)
+    meta = scan_meta(method, P, N, W)
     args = (xBC, dt, conv_weight, conv_bias if conv_bias is not None else conv_weight, dt_bias, A_log, D,
             y, state, window, T, float(dt_limit[0]), float(dt_limit[1]), xBC.stride(0), dt.stride(0))
     kernel = _mamba_scan_recurrent_kernel if method == "recurrent" else _mamba_scan_chunked_kernel

@@ -136,7 +136,7 @@ def _conv_window_kernel(p_conv_stash, p_conv_state, p_slot, K, C,
     tl.store(p_conv_state + i_s * C * Wm1 + o_c[:, None] * Wm1 + o_w[None, :], b_w, mask=m)
 
 
-def verify_meta(P: int, N: int, W: int, K: int, dtype: torch.dtype) -> dict:
+def verify_meta(P: int, N: int, W: int, K: int) -> dict:
     """_mamba_verify_kernel's meta-parameters (scripts/compile_check.py compiles these)."""
     return dict(BLOCK_P=min(triton.next_power_of_2(P), 16), BLOCK_N=triton.next_power_of_2(N),
                 BLOCK_W=triton.next_power_of_2(W), BLOCK_L=triton.next_power_of_2(W - 1 + K), num_warps=4)
@@ -160,7 +160,7 @@ def mamba_verify_plan(xBC, dt, conv_state, ssm_state, slot_ids, conv_weight, con
     y = torch.empty(Bsz, K, H, P, device=xBC.device, dtype=xBC.dtype)
     if Bsz == 0 or K == 0:
         return [], y
-    meta = verify_meta(P, N, W, K, xBC.dtype)
+    meta = verify_meta(P, N, W, K)
     window = window_meta(W)
     return [
         Launch(_mamba_verify_kernel, (Bsz, H, triton.cdiv(P, meta["BLOCK_P"])), (

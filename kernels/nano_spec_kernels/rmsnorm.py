@@ -34,7 +34,7 @@ def _rmsnorm_kernel(p_x, p_res, p_w, p_y, p_h, D, eps, multiplier, stride_x, str
     tl.store(p_y + i_m * D + o_d, (b_w * b_n).to(p_y.dtype.element_ty), mask=m_d)
 
 
-def rmsnorm_meta(D: int, dtype: torch.dtype) -> dict:
+def rmsnorm_meta(D: int) -> dict:
     """_rmsnorm_kernel's meta-parameters (scripts/compile_check.py compiles these): the row in one block."""
     BLOCK_D = triton.next_power_of_2(D)
     return dict(BLOCK_D=BLOCK_D, num_warps=min(16, max(1, BLOCK_D // 256)))
@@ -51,7 +51,7 @@ def rmsnorm_plan(x, weight, eps: float, residual=None, multiplier: float = 1.0, 
     r2 = x2 if residual is None else residual.reshape(-1, D)
     return [Launch(_rmsnorm_kernel, (x2.shape[0],),
                    (x2, r2, weight, y, h, D, float(eps), float(multiplier), x2.stride(0), r2.stride(0)),
-                   dict(HAS_RES=residual is not None, **rmsnorm_meta(D, x.dtype)))], (y, h)
+                   dict(HAS_RES=residual is not None, **rmsnorm_meta(D)))], (y, h)
 
 
 def rmsnorm(x, weight, eps: float, residual=None, multiplier: float = 1.0):

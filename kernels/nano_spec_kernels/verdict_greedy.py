@@ -76,7 +76,7 @@ def _verdict_kernel(
     tl.store(p_na + i_b, b_na.to(tl.int64))
 
 
-def row_stats_meta(V: int, dtype: torch.dtype, cuda: bool) -> dict:
+def row_stats_meta(V: int, cuda: bool) -> dict:
     """_row_stats_kernel's meta-parameters (scripts/compile_check.py compiles these)."""
     return dict(BLOCK_V=min(2048 if cuda else 1024, triton.next_power_of_2(V)), num_warps=4)
 
@@ -99,7 +99,7 @@ def verdict_greedy_plan(logits, drafts, nd, bitmask=None, block_v=None, num_spli
     if Bsz == 0:
         return [], (picks, na)
 
-    meta = row_stats_meta(V, logits.dtype, cuda)
+    meta = row_stats_meta(V, cuda)
     meta["BLOCK_V"] = block_v or meta["BLOCK_V"]
     chunk, splits = split_plan(V, meta["BLOCK_V"], Bsz * K, n_sm, num_splits)
     pm = torch.empty((Bsz * K, splits), dtype=torch.float32, device=dev)  # partial maxima

@@ -49,7 +49,7 @@ def verify_bytes(seq_len: int, Bsz: int, K: int) -> int:
 
 def greedy_bytes(V: int, Bsz: int, K: int, elem: int) -> int:
     """verdict_greedy_bytes at this device's split count: the logits read once, the partials, ids and picks."""
-    block = row_stats_meta(V, torch.float32, CUDA)["BLOCK_V"]
+    block = row_stats_meta(V, CUDA)["BLOCK_V"]
     splits = split_plan(V, block, Bsz * K, sm_count(torch.device(DEVICE)))[1]
     return sum(verdict_greedy_bytes(Bsz, K, V, elem, splits).values())
 

@@ -93,7 +93,7 @@ def verify_items(cfg, B: int, K: int, ctx: int, act: int = 2) -> list:
     Lm, La = len(cfg.mamba_layers), len(cfg.attention_layers)
     H, P, N, G, W = cfg.mamba_n_heads, cfg.mamba_d_head, cfg.mamba_d_state, cfg.mamba_n_groups, cfg.mamba_d_conv
     d_in, C = cfg.d_inner, cfg.conv_dim
-    splits = split_plan(V, row_stats_meta(V, torch.bfloat16, True)["BLOCK_V"], rows, N_SM)[1]
+    splits = split_plan(V, row_stats_meta(V, True)["BLOCK_V"], rows, N_SM)[1]
     return [
         Item("embedding * multiplier", 1, rows * 8 + 4 * rows * D * act, 2, "torch"),
         Item("rmsnorm", 1, total(rmsnorm_bytes(rows, D, act, False))),
@@ -164,7 +164,7 @@ def kernel_table(cfg, ctx: int, tbs: float, act: int = 2) -> list:
                                                                            splits_of(cfg, B, K, ctx)),
         f"commit_state {Lm} layers": lambda B, K: commit_state_bytes(Lm, B, K, H, P, N, cfg.conv_dim, W, act),
         "verdict_greedy": lambda B, K: verdict_greedy_bytes(
-            B, K, V, act, split_plan(V, row_stats_meta(V, torch.bfloat16, True)["BLOCK_V"], B * K, N_SM)[1]),
+            B, K, V, act, split_plan(V, row_stats_meta(V, True)["BLOCK_V"], B * K, N_SM)[1]),
         "verdict_sample": lambda B, K: verdict_sample_bytes(B, K, V, act),
         "gather_rows": lambda B, K: gather_rows_bytes(B, D, act),
         "rmsnorm+residual": lambda B, K: rmsnorm_bytes(B * K, D, act, True),
