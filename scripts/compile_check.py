@@ -119,7 +119,7 @@ def engine_launches(cfg, dtype: torch.dtype) -> list:
     for B in BATCHES:
         for K in KS:
             ops.case = f"B={B} K={K}"
-            cache = HybridCache(cfg, B, MAX_LEN, K, "meta", dtype, B)
+            cache = HybridCache(cfg, B, MAX_LEN, K, "meta", dtype)  # B slots, one row each
             slots, lens = torch.arange(B, **meta), torch.full((B,), CTX, **meta)
             logits = model.verify(torch.zeros(B, K, dtype=torch.long, **meta), slots, lens, cache, CTX + K)
             drafts, nd = torch.zeros(B, K - 1, dtype=torch.long, **meta), torch.full((B,), K - 1, **meta)
