@@ -1,80 +1,268 @@
-"""Compile every Triton kernel for a CUDA target without a GPU (python scripts/compile_check.py).
+"""Compile every Triton kernel for sm_90 without a GPU and report what the compiler reports
+(python scripts/compile_check.py [--model shipped 350m 1b] [--dtype fp32 bf16]).
 
-The Triton interpreter, which the CPU tests use, accepts some programs the
-compiler rejects. This script runs the real compiler (to PTX and a cubin with the
-ptxas that ships in the triton wheel) for sm_90 at realistic shapes, so such
-errors show up on a machine with no GPU. It launches nothing. It uses Triton's
-ASTSource/GPUTarget entry points, whose form may change between Triton versions.
+The Triton interpreter, which the CPU tests use, accepts some programs the compiler rejects, and says nothing of
+how a kernel would run. This script builds the engine's own launches for an H200 (132 SMs) and compiles each with
+the real compiler, to PTX and to a cubin with the ptxas that ships in the triton wheel. It launches nothing.
+
+  - The launches: the model (on the meta device, nothing allocated) runs a verify step, a prefill, the verdicts,
+    the commit and the MTP seed gather with an Ops whose every op returns its launcher's plan (`<op>_plan`,
+    cuda=True) instead of running it. So each kernel is compiled with the constexprs, warps and stages its
+    launcher picks for that dtype and shape, and with the arguments the engine passes (views, strides).
+  - The variants: fp32 (tests, CPU parity; tl.dot in "ieee") and bf16 (the CUDA default), at the shipped weights'
+    shapes and Granite 4.0-H 350m's and 1b's, B in {1, 64}, K in {1, 4} (plain decode and γ = 3), a context of
+    1000 rows in a cache of 4096, prompts of 16 tokens (recurrent scan) and 512 (chunked scan).
+  - The compile: Triton's JIT binder specialises the arguments as a launch would (a pointer or an integer
+    divisible by 16 is marked so, an integer equal to 1 becomes a constant); then ASTSource and triton.compile.
+    These entry points may change between Triton versions.
+  - The report, per compiled variant: registers, stack bytes (spilled registers and local arrays) and static
+    shared memory from `cuobjdump --dump-resource-usage` on the cubin; the dynamic shared memory Triton launches
+    with (metadata.shared: staged tiles, reduction scratch); and the occupancy those imply on sm_90.
+
+It exits non-zero when a kernel fails to compile or cannot launch (shared memory past 227 KB per block), when a
+bf16 variant spills (stack > 0: spills go to local memory and cost the bandwidth a decode kernel exists to save),
+or when a bf16 decode-path kernel keeps fewer than MIN_WARPS warps resident per SM (the rule is at MIN_WARPS).
+bf16 is what a GPU serves in. fp32 on CUDA is the parity mode: its "ieee" tl.dot runs on the FMA units and at
+Dh = 128 cannot hold 16 warps per SM without spilling, so its spills and occupancy are reported, not held to the rule.
 """
+import argparse
+import os
+import re
+import shutil
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from triton.compiler import ASTSource, make_backend
+from triton.runtime.jit import create_function_from_signature
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "kernels")]  # nano_spec, nano_spec_kernels: runnable without installing
 
-from nano_spec_kernels import (attention_prefill, attention_verify, commit_state, gated_rmsnorm, gather_rows,  # noqa: E402
-                     mamba_scan, mamba_verify, rmsnorm, verdict_greedy, verdict_sample)
+from nano_spec.cache import HybridCache  # noqa: E402
+from nano_spec.model import HybridLM  # noqa: E402
+from nano_spec.ops import OP_NAMES  # noqa: E402
+from nano_spec_kernels import (attention_prefill, attention_verify, commit_state, gated_rmsnorm,  # noqa: E402
+                               gather_rows, mamba_scan, mamba_verify, rmsnorm, verdict_greedy, verdict_sample)
+from tests.bench.models import models  # noqa: E402
 
-# pointers default to fp32 and scalars to i32; these are the exceptions
-TYPES = {"p_slot": "*i64", "p_na": "*i64", "p_active": "*u8", "p_idx": "*i64", "p_pa": "*i32", "p_drafts": "*i64",
-         "p_nd": "*i64", "p_picks": "*i64", "p_tok": "*i64", "p_len": "*i64", "p_mask": "*i32",
-         "dt_lo": "fp32", "dt_hi": "fp32", "scale": "fp32", "eps": "fp32", "multiplier": "fp32"}
-MAMBA = dict(H=48, P=64, N=128, G=1, W=4, BLOCK_P=16, BLOCK_N=128, BLOCK_W=4)
-ATTN = dict(REP=4, K=4, HKV=2, HQ=8, DH=64, DH_PAD=64, BLOCK_M=16, BLOCK_N=64, K_PAD=16, SPLITS=4, SPLITS_PAD=4,
-            ROPE=True, DOT_PREC="ieee", BLOCK_T=16)
-CASES = [
-    (mamba_verify._mamba_verify_kernel, dict(MAMBA, BLOCK_L=8), 4),
-    (mamba_verify._conv_window_kernel, dict(Wm1=3, BLOCK_C=256, BLOCK_W=4), 4),
-    (commit_state._commit_state_kernel, dict(Wm1=3, BLOCK=1024), 4),
-    (mamba_scan._mamba_scan_recurrent_kernel, MAMBA, 4),
-    (mamba_scan._mamba_scan_chunked_kernel, dict(MAMBA, Q=mamba_scan.CHUNK), 8),
-    (rmsnorm._rmsnorm_kernel, dict(HAS_RES=True, BLOCK_D=2048), 8),
-    (gated_rmsnorm._gated_rmsnorm_kernel, dict(BLOCK=4096), 16),
-    (attention_prefill._rope_store_kernel, ATTN, 4),
-    (attention_prefill._prefill_attention_kernel, dict(ATTN, BLOCK_M=64), 4),
-    (attention_verify._verify_attention_kernel, ATTN, 4),
-    (attention_verify._combine_kernel, ATTN, 4),
-    (gather_rows._gather_rows_kernel, dict(BLOCK_D=256), 4),
-    (verdict_greedy._row_stats_kernel, dict(K=4, SPLITS=4, BLOCK_V=1024, HAS_MASK=False), 4),
-    (verdict_greedy._row_stats_kernel, dict(K=4, SPLITS=4, BLOCK_V=1024, HAS_MASK=True), 4),
-    (verdict_greedy._verdict_kernel, dict(K=4, SPLITS=4, SPLITS_PAD=4), 4),
-    (verdict_sample._verdict_sample_kernel, dict(K=1, BLOCK_B=4, BLOCK_V=1024), 4),
-    (verdict_sample._verdict_sample_kernel, dict(K=4, BLOCK_B=4, BLOCK_V=1024), 4),
-]
+TARGET = GPUTarget("cuda", 90, 32)
+N_SM = 132  # H200 (and H100 SXM): the split counts of attention_verify and verdict_greedy depend on it
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+BATCHES, KS = (1, 64), (1, 4)
+CTX, MAX_LEN, PROMPTS = 1000, 4096, (16, 512)
+MODULES = dict(rmsnorm=rmsnorm, gated_rmsnorm=gated_rmsnorm, mamba_scan=mamba_scan, mamba_verify=mamba_verify,
+               commit_state=commit_state, attention_prefill=attention_prefill, attention_verify=attention_verify,
+               gather_rows=gather_rows, verdict_greedy=verdict_greedy, verdict_sample=verdict_sample)
+DECODE = {"mamba_verify", "attention_verify", "commit_state", "verdict_greedy", "verdict_sample", "gather_rows",
+          "rmsnorm", "gated_rmsnorm"}  # the ops of a decode step; prefill-only ops are held to the spill rule alone
 
-
-def compile_for(kernel, consts: dict, num_warps: int, target: GPUTarget):
-    signature, constants = {}, {}
-    for i, name in enumerate(kernel.arg_names):
-        if name in consts:
-            signature[name], constants[(i,)] = "constexpr", consts[name]
-        else:
-            signature[name] = TYPES.get(name, "*fp32" if name.startswith("p_") else "i32")
-    return triton.compile(ASTSource(kernel, signature, constants), target=target, options={"num_warps": num_warps})
+# ---- sm_90 occupancy ------------------------------------------------------------------------------------------
+REGS_PER_SM = 65536
+REG_UNIT = 256  # registers are allocated per warp in units of 256 (8 per thread)
+THREADS_PER_SM = 2048  # 64 warps
+BLOCKS_PER_SM = 32
+SMEM_PER_SM = 228 * 1024
+SMEM_PER_BLOCK = 227 * 1024  # the most one block may have
+# A decode kernel is memory bound: it hides DRAM latency only with enough loads in flight. At 4.8 TB/s over 132
+# SMs and ~0.7 us of loaded latency an SM needs ~25 KB in flight (Little's law); 16 warps with a few independent
+# 16-byte loads per thread hold that, and 16 warps are 4 per warp scheduler, the least that lets a scheduler
+# switch to another warp on every dependent load. Hence at least 16 resident warps per SM (25 % occupancy).
+MIN_WARPS = 16
 
 
-def main() -> int:
-    target = GPUTarget("cuda", 90, 32)
-    done = failed = 0
-    for kernel, consts, warps in CASES:
-        for has_bias in ([True, False] if "HAS_BIAS" in kernel.arg_names else [None]):
-            c = consts if has_bias is None else dict(consts, HAS_BIAS=has_bias)
-            label = kernel.fn.__name__ + ("" if has_bias is None else f" HAS_BIAS={has_bias}") + \
-                (f" K={c['K']}" if "K" in kernel.arg_names and "K" in c else "") + \
-                (f" HAS_MASK={c['HAS_MASK']}" if "HAS_MASK" in c else "")
-            try:
-                compile_for(kernel, {k: v for k, v in c.items() if k in kernel.arg_names}, warps, target)
-                print(f"ok      {label}")
-                done += 1
-            except Exception as e:  # report every kernel, then fail
-                failed += 1
-                print(f"FAILED  {label}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-    print(f"{done} kernel variants compiled for sm_90 with triton {triton.__version__}; {failed} failed")
-    return 1 if failed else 0
+def occupancy(regs: int, smem: int, warps: int) -> tuple[int, str]:
+    """(blocks resident per SM, the resource that limits them) for one block of `warps` warps using `regs`
+    registers per thread and `smem` bytes of shared memory."""
+    regs_per_warp = -(-regs * 32 // REG_UNIT) * REG_UNIT
+    limits = {"regs": REGS_PER_SM // regs_per_warp // warps, "threads": THREADS_PER_SM // (32 * warps),
+              "blocks": BLOCKS_PER_SM, "smem": SMEM_PER_SM // smem if smem else BLOCKS_PER_SM}
+    if smem > SMEM_PER_BLOCK:
+        limits["smem"] = 0
+    limiter = min(limits, key=limits.get)
+    return limits[limiter], limiter
+
+
+# ---- the engine's launches -----------------------------------------------------------------------------------
+class PlannedOps:
+    """The triton backend's ops, each returning its launcher's plan for sm_90 instead of running it:
+    the plans collect in `launches` as (op, case, Launch); the outputs are the plan's (meta) tensors."""
+
+    backend = "triton"
+
+    def __init__(self):
+        self.launches, self.case = [], ""
+        for name in OP_NAMES:
+            setattr(self, name, self._planner(name))
+
+    def _planner(self, name):
+        plan = getattr(MODULES[name], f"{name}_plan")
+
+        def call(*args, **kwargs):
+            launches, out = plan(*args, cuda=True, n_sm=N_SM, **kwargs)
+            self.launches += [(name, self.case, launch) for launch in launches]
+            return out
+
+        return call
+
+
+def engine_launches(cfg, dtype: torch.dtype) -> list:
+    """Every launch of the verify steps (B in BATCHES, K in KS) and prefills (PROMPTS) of model cfg in dtype."""
+    ops = PlannedOps()
+    with torch.device("meta"):
+        model = HybridLM(cfg, ops).to(dtype).fuse_qkv()
+    meta = dict(device="meta")
+    for B in BATCHES:
+        for K in KS:
+            ops.case = f"B={B} K={K}"
+            cache = HybridCache(cfg, B, MAX_LEN, K, "meta", dtype)  # B slots, one row each
+            slots, lens = torch.arange(B, **meta), torch.full((B,), CTX, **meta)
+            logits = model.verify(torch.zeros(B, K, dtype=torch.long, **meta), slots, lens, cache, CTX + K)
+            drafts, nd = torch.zeros(B, K - 1, dtype=torch.long, **meta), torch.full((B,), K - 1, **meta)
+            ops.verdict_greedy(logits, drafts, nd)
+            words = torch.zeros(B, K, -(-cfg.vocab_size // 32), dtype=torch.int32, **meta)
+            ops.verdict_greedy(logits, drafts, nd, words)  # under a grammar's bitmask
+            q = torch.zeros(B, K - 1, cfg.vocab_size, **meta)  # draft probabilities, fp32 as sampling makes them
+            ops.verdict_sample(logits, q, drafts, nd, torch.zeros(B, K, **meta), torch.ones(B, **meta),
+                               torch.zeros(B, dtype=torch.long, **meta), torch.ones(B, **meta))
+            na = torch.zeros(B, dtype=torch.long, **meta)
+            ops.commit_state(cache.ssm_state, cache.conv_state, cache.ssm_stash(B, K), cache.conv_stash(B, K),
+                             slots, na, na < K - 1)
+            ops.gather_rows(cache.hidden_stash(B, K), na)  # the MTP seed
+    for T in PROMPTS:
+        ops.case = f"T={T}"
+        model.prefill(torch.zeros(T, dtype=torch.long, **meta), 0, HybridCache(cfg, 1, MAX_LEN, 1, "meta", dtype))
+    return ops.launches
+
+
+# ---- compiling and reading the cubin ---------------------------------------------------------------------------
+def cuobjdump() -> str:
+    here = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    found = str(here) if here.exists() else shutil.which("cuobjdump")
+    if not found:
+        raise SystemExit("compile_check: no cuobjdump (neither in the triton wheel nor on PATH)")
+    return found
+
+
+BACKEND = make_backend(TARGET)
+_BINDERS = {}
+
+
+def specialise(launch) -> tuple:
+    """(signature, constexprs, attrs, options) of a launch, bound the way Triton's JIT binds one."""
+    fn, kwargs = launch.kernel, dict(launch.meta)
+    if fn not in _BINDERS:
+        _BINDERS[fn] = create_function_from_signature(fn.signature, fn.params, BACKEND)
+    bound, spec, options = _BINDERS[fn](*launch.args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(BACKEND, kwargs, bound, spec, options)
+    return signature, constexprs, attrs, options
+
+
+def resources(launch, tool: str) -> dict:
+    """Compile one launch for sm_90; registers, stack, shared memory, warps, stages."""
+    signature, constexprs, attrs, options = specialise(launch)
+    kernel = triton.compile(ASTSource(launch.kernel, signature, constexprs, attrs), target=TARGET,
+                            options=options.__dict__)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        dump = subprocess.run([tool, "--dump-resource-usage", path], capture_output=True, text=True, check=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+)", dump)
+    if not m:
+        raise RuntimeError(f"no resource usage in cuobjdump's output: {dump!r}")
+    regs, stack, static = map(int, m.groups())
+    warps, smem = kernel.metadata.num_warps, static + kernel.metadata.shared
+    blocks, limiter = occupancy(regs, smem, warps)
+    return dict(regs=regs, stack=stack, smem=smem, warps=warps, stages=kernel.metadata.num_stages, blocks=blocks,
+                resident=blocks * warps, limiter=limiter)
+
+
+def problems(op: str, dtype: str, r: dict) -> list:
+    """What breaks the rule of the module docstring."""
+    bad = []
+    if r["blocks"] == 0:
+        bad.append("cannot launch")
+    if dtype == "bf16" and r["stack"] > 0:
+        bad.append("spills")
+    if dtype == "bf16" and op in DECODE and r["resident"] < MIN_WARPS:
+        bad.append(f"< {MIN_WARPS} warps/SM")
+    return bad
+
+
+def key_of(launch) -> str:
+    signature, constexprs, attrs, options = specialise(launch)
+    return repr((launch.kernel.fn.__qualname__, sorted(signature.items()), sorted(constexprs.items()),
+                 sorted(attrs.items()), options.num_warps, options.num_stages))
+
+
+def label(launch) -> str:
+    """The kernel and the meta-parameters that tell its variants apart."""
+    keep = ("K", "BLOCK_M", "BLOCK_N", "BLOCK_P", "BLOCK_L", "BLOCK_V", "BLOCK_D", "BLOCK", "SPLITS", "HAS_MASK",
+            "HAS_RES", "Q")
+    meta = " ".join(f"{k}={v}" for k, v in launch.meta.items() if k in keep)
+    return f"{launch.kernel.fn.__name__} {meta}".strip()
+
+
+def cases_text(cases: list) -> str:
+    """["B=1 K=1", "B=64 K=1"] -> "B=1,64 K=1": the values each size takes."""
+    values = {}
+    for case in cases:
+        for item in case.split():
+            k, v = item.split("=")
+            values.setdefault(k, [])
+            if v not in values[k]:
+                values[k].append(v)
+    return " ".join(f"{k}={','.join(v)}" for k, v in values.items())
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", nargs="+", default=["shipped", "350m", "1b"], choices=["shipped", "350m", "1b"])
+    ap.add_argument("--dtype", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    args = ap.parse_args(argv)
+    tool, done, failed, broken = cuobjdump(), {}, 0, []
+    print(f"triton {triton.__version__}, sm_90, {N_SM} SMs; occupancy: {REGS_PER_SM} regs/SM in units of "
+          f"{REG_UNIT} per warp, {THREADS_PER_SM} threads, {BLOCKS_PER_SM} blocks, {SMEM_PER_SM // 1024} KB smem; "
+          f"rule: bf16 stack = 0, bf16 decode kernels >= {MIN_WARPS} warps/SM")
+    for name, cfg in models(args.model).items():
+        for dname in args.dtype:
+            rows = {}  # (op, label, what the compiler reports) -> [op, label, cases, resources or error]
+            for op, case, launch in engine_launches(cfg, DTYPES[dname]):
+                key = key_of(launch)
+                try:
+                    if key not in done:
+                        done[key] = resources(launch, tool)
+                    r = done[key]
+                except Exception as e:  # report every kernel, then fail
+                    r = done[key] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+                row = rows.setdefault(repr((op, label(launch), r)), [op, label(launch), [], r])
+                row[2] += [] if case in row[2] else [case]
+            print(f"\n{name} {dname}: D={cfg.hidden_size} H={cfg.mamba_n_heads} P={cfg.mamba_d_head} "
+                  f"N={cfg.mamba_d_state} Hq={cfg.num_attention_heads} Hkv={cfg.num_key_value_heads} "
+                  f"Dh={cfg.head_dim} V={cfg.vocab_size}")
+            print(f"{'kernel':<62} {'cases':<22} {'warps':>5} {'stages':>6} {'regs':>4} {'stack':>5} {'smem B':>7} "
+                  f"{'blocks':>6} {'warps/SM':>8} {'limit':>7}  check")
+            for op, lab, cases, r in sorted(rows.values(), key=lambda row: (row[0] not in DECODE, row[1])):
+                shown = cases_text(cases)
+                if isinstance(r, str):
+                    failed += 1
+                    print(f"{lab:<62} {shown:<22} FAILED {r}")
+                    continue
+                bad = problems(op, dname, r)
+                broken += [f"{name} {dname} {lab}: {', '.join(bad)}"] if bad else []
+                print(f"{lab:<62} {shown:<22} {r['warps']:>5} {r['stages']:>6} {r['regs']:>4} {r['stack']:>5} "
+                      f"{r['smem']:>7} {r['blocks']:>6} {r['resident']:>8} {r['limiter']:>7}  "
+                      f"{'; '.join(bad) if bad else 'ok'}")
+    print(f"\n{len(done)} kernel variants compiled for sm_90 with triton {triton.__version__}; {failed} failed; "
+          f"{len(broken)} break the rule")
+    for line in broken:
+        print(f"  {line}")
+    return 1 if failed or broken else 0
 
 
 if __name__ == "__main__":

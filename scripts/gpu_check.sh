@@ -5,8 +5,9 @@
 # when OUT is set (else /tmp/nano_spec_gpu_check) and to stdout.
 #   1. the kernel tests, compiled (not interpreted), and the model on the triton backend
 #   2. the lossless tests on CUDA (the engine picks the triton backend there)
-#   3. the kernel benchmarks (GB/s and % of HBM peak)
-#   4. the end-to-end bench on the shipped weights
+#   3. the kernel benchmarks: measured time beside the roofline time (bytes / HBM peak), GB/s, % of peak
+#   4. the roofline on paper (no kernel runs): predicted kernel and step times, the speedup they imply
+#   5. the end-to-end bench on the shipped weights, to hold against 4's "shipped" tokens/s
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD:$PWD/kernels${PYTHONPATH:+:$PYTHONPATH}"  # nano_spec and nano_spec_kernels, installed or not
@@ -34,4 +35,5 @@ step kernel_tests 170 python -m pytest -q -x tests/test_kernels_mamba.py tests/t
   tests/test_kernels_verdict.py tests/test_triton_backend.py
 step lossless 120 python -m pytest -q -x tests/test_engine.py -k "lossless or batch_invariance or admission"
 step kernel_bench 110 python -m tests.bench
+TAIL=100 step predict 30 python -m tests.bench --predict --model shipped 350m 1b
 step e2e_bench 80 python -m nano_spec.bench --num-prompts 8 --max-new-tokens 48 --batch 1 8

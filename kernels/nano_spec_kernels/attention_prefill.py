@@ -17,8 +17,8 @@ rounded values, as the reference does) and rotates q on load.
 """
 import torch
 
-from nano_spec_kernels.common import (DOT, ROW, Arg, Checker, apply_rope_ref, dot_precision, online_softmax_step, pow2,
-                                      rope_inv_freq, rope_load, tl, triton)
+from nano_spec_kernels.common import (DOT, ROW, Arg, Checker, Launch, apply_rope_ref, dot_precision,
+                                      online_softmax_step, pow2, rope_inv_freq, rope_load, run, sm_count, tl, triton)
 
 _check = Checker("attention_prefill")
 _ARGS = {"q": Arg("T Hq Dh", DOT, ROW), "k, v": Arg("T Hkv Dh", "q", ROW),
@@ -90,8 +90,26 @@ def _prefill_attention_kernel(
     tl.store(p_o_blk, b_o.to(p_o.dtype.element_ty), mask=m_m[:, None] & m_d[None, :])
 
 
-def attention_prefill(q, k, v, k_cache, v_cache, slot: int, scale: float, rope_theta=None):
-    """Triton version of attention_prefill_ref (same signature, same cache writes, same output)."""
+def rope_store_meta(Dh: int) -> dict:
+    """_rope_store_kernel's meta-parameters (scripts/compile_check.py compiles these)."""
+    return dict(DH_PAD=pow2(Dh), BLOCK_T=32, num_warps=4)
+
+
+def prefill_meta(Dh: int, dtype: torch.dtype, cuda: bool) -> dict:
+    """_prefill_attention_kernel's meta-parameters (scripts/compile_check.py compiles these), on sm_90:
+    bf16/fp16: 64 x 64 blocks, 4 warps, 3 stages (no spill up to Dh = 128); fp32 ("ieee" tl.dot, on the FMA
+    units): 32 x 32 blocks, the interpreter's, 8 warps, 2 stages, since 64 x 64 spills kilobytes at any warp count."""
+    if cuda and dtype != torch.float32:
+        block, warps, stages = 64, 4, 3
+    else:
+        block, warps, stages = 32, 8, 2
+    return dict(DH_PAD=pow2(Dh), BLOCK_M=block, BLOCK_N=block, DOT_PREC=dot_precision(dtype), num_warps=warps,
+                num_stages=stages)
+
+
+def attention_prefill_plan(q, k, v, k_cache, v_cache, slot: int, scale: float, rope_theta=None, *, cuda: bool,
+                           n_sm: int):
+    """The launches of attention_prefill on a device of n_sm SMs (CUDA or the interpreter), and the output they fill."""
     d = _check.args(_ARGS, q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache)
     T, Hq, Hkv, Dh, S, L = d.T, d.Hq, d.Hkv, d.Dh, d.S, d.L
     _check(Hkv > 0 and Hq % Hkv == 0, f"Hq={Hq} must be a multiple of Hkv={Hkv}")
@@ -99,25 +117,30 @@ def attention_prefill(q, k, v, k_cache, v_cache, slot: int, scale: float, rope_t
     _check(0 <= int(slot) < S, f"slot {slot} out of range [0, {S})")
     _check(T <= L, f"prompt of {T} tokens does not fit a cache of {L} rows")
     if T == 0:
-        return torch.empty_like(q)
+        return [], torch.empty_like(q)
 
     rope = rope_theta is not None
     inv_freq = rope_inv_freq(Dh, rope_theta, q.device)
-    DH_PAD = pow2(Dh)
-    BLOCK_T = 32
-    _rope_store_kernel[(triton.cdiv(T, BLOCK_T), Hkv)](
-        k, v, k_cache, v_cache, inv_freq, T, int(slot),
-        *k.stride()[:2], *v.stride()[:2], *k_cache.stride()[:3], *v_cache.stride()[:3],
-        DH=Dh, DH_PAD=DH_PAD, BLOCK_T=BLOCK_T, ROPE=rope,
-    )
+    store = rope_store_meta(Dh)
     o = torch.empty_like(q, memory_format=torch.contiguous_format)
-    BLOCK_M = BLOCK_N = 64 if q.is_cuda else 32
-    _prefill_attention_kernel[(triton.cdiv(T, BLOCK_M), Hq)](
-        q, k_cache, v_cache, o, inv_freq, T, int(slot), float(scale),
-        *q.stride()[:2], *k_cache.stride()[:3], *v_cache.stride()[:3], *o.stride()[:2],
-        REP=Hq // Hkv, DH=Dh, DH_PAD=DH_PAD, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, ROPE=rope,
-        DOT_PREC=dot_precision(q.dtype),
-    )
+    meta = prefill_meta(Dh, q.dtype, cuda)
+    return [
+        Launch(_rope_store_kernel, (triton.cdiv(T, store["BLOCK_T"]), Hkv), (
+            k, v, k_cache, v_cache, inv_freq, T, int(slot),
+            *k.stride()[:2], *v.stride()[:2], *k_cache.stride()[:3], *v_cache.stride()[:3],
+        ), dict(DH=Dh, ROPE=rope, **store)),
+        Launch(_prefill_attention_kernel, (triton.cdiv(T, meta["BLOCK_M"]), Hq), (
+            q, k_cache, v_cache, o, inv_freq, T, int(slot), float(scale),
+            *q.stride()[:2], *k_cache.stride()[:3], *v_cache.stride()[:3], *o.stride()[:2],
+        ), dict(REP=Hq // Hkv, DH=Dh, ROPE=rope, **meta)),
+    ], o
+
+
+def attention_prefill(q, k, v, k_cache, v_cache, slot: int, scale: float, rope_theta=None):
+    """Triton version of attention_prefill_ref (same signature, same cache writes, same output)."""
+    launches, o = attention_prefill_plan(q, k, v, k_cache, v_cache, slot, scale, rope_theta,
+                                         cuda=q.is_cuda, n_sm=sm_count(q.device))
+    run(launches)
     return o
 
 

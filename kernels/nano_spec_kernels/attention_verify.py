@@ -19,8 +19,9 @@ never on seq_lens values, so there is no host sync; programs past a sequence's l
 """
 import torch
 
-from nano_spec_kernels.common import (DOT, INT, ROW, Arg, Checker, apply_rope_ref, dot_precision, online_softmax_step,
-                                      pow2, rope_inv_freq, rope_load, split_chunks, tl, triton)
+from nano_spec_kernels.common import (DOT, INT, ROW, Arg, Checker, Launch, apply_rope_ref, dot_precision,
+                                      next_pow2, online_softmax_step, pow2, rope_inv_freq, rope_load, run, sm_count,
+                                      split_plan, tl, triton)
 
 _check = Checker("attention_verify")
 _ARGS = {"q": Arg("B K Hq Dh", DOT, ROW), "k, v": Arg("B K Hkv Dh", "q", ROW),
@@ -125,8 +126,32 @@ def _combine_kernel(
     tl.store(p_o + i_b * s_o_b + i_j * s_o_k + i_h * s_o_h + o_d, b_o.to(p_o.dtype.element_ty), mask=o_d < DH)
 
 
-def _attention_verify(q, k, v, k_cache, v_cache, slot_ids, seq_lens, scale, rope_theta=None, num_splits=None):
-    """attention_verify with the split count exposed (tests force the split and unsplit paths)."""
+def verify_meta(Hq: int, Hkv: int, Dh: int, K: int, dtype: torch.dtype, cuda: bool) -> dict:
+    """_verify_attention_kernel's meta-parameters (scripts/compile_check.py compiles these). The query tile stacks
+    the REP*K rows of one KV head (at least 16, tl.dot's least side). The key blocks, on sm_90:
+
+      bf16/fp16: BLOCK_N x DH_PAD <= 64 x 64 elements, 4 warps, 3 stages. At Dh = 128 a 64-key block takes 128+
+        registers and 72 KB for its three staged K/V tiles, 12 resident warps per SM; 32 keys keep 120 registers,
+        38 KB and 16 warps (a decode kernel's floor, compile_check.MIN_WARPS).
+      fp32 ("ieee" tl.dot, on the FMA units): 32-key blocks, the interpreter's (so CUDA fp32 blocks the sum as the
+        tests do), 8 warps, 2 stages; 4 warps spill at Dh = 128."""
+    DH_PAD = pow2(Dh)
+    if cuda and dtype != torch.float32:
+        block_n, warps, stages = min(64, max(16, 4096 // DH_PAD)), 4, 3
+    else:
+        block_n, warps, stages = 32, 8, 2
+    return dict(BLOCK_M=pow2((Hq // Hkv) * K), BLOCK_N=block_n, DH_PAD=DH_PAD, K_PAD=pow2(K),
+                DOT_PREC=dot_precision(dtype), num_warps=warps, num_stages=stages)
+
+
+def combine_meta(Dh: int, splits: int) -> dict:
+    """_combine_kernel's meta-parameters."""
+    return dict(DH_PAD=pow2(Dh), SPLITS_PAD=triton.next_power_of_2(splits), num_warps=4)
+
+
+def attention_verify_plan(q, k, v, k_cache, v_cache, slot_ids, seq_lens, scale, rope_theta=None, num_splits=None, *,
+                          cuda: bool, n_sm: int):
+    """The launches of attention_verify on a device of n_sm SMs (CUDA or the interpreter), and the output they fill."""
     d = _check.args(_ARGS, q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_ids=slot_ids, seq_lens=seq_lens)
     Bsz, K, Hq, Hkv, Dh, L = d.B, d.K, d.Hq, d.Hkv, d.Dh, d.L
     _check(Hkv > 0 and Hq % Hkv == 0, f"Hq={Hq} must be a multiple of Hkv={Hkv}")
@@ -134,11 +159,11 @@ def _attention_verify(q, k, v, k_cache, v_cache, slot_ids, seq_lens, scale, rope
     _check(1 <= K <= L, f"K={K} rows must be in [1, L={L}]")
     o = torch.empty((Bsz, K, Hq, Dh), dtype=q.dtype, device=q.device)
     if Bsz == 0:
-        return o
+        return [], o
 
-    BLOCK_N = 64 if q.is_cuda else 32
-    DH_PAD = pow2(Dh)
-    chunk, splits = split_chunks(L, BLOCK_N, Bsz * Hkv, q.device, num_splits)  # keys per split
+    meta = verify_meta(Hq, Hkv, Dh, K, q.dtype, cuda)
+    DH_PAD = meta["DH_PAD"]
+    chunk, splits = split_plan(L, meta["BLOCK_N"], Bsz * Hkv, n_sm, num_splits)  # keys per split
     if splits > 1:
         mpart = torch.empty((Bsz, K, Hq, splits), dtype=torch.float32, device=q.device)
         lpart = torch.empty_like(mpart)
@@ -146,20 +171,23 @@ def _attention_verify(q, k, v, k_cache, v_cache, slot_ids, seq_lens, scale, rope
     else:
         mpart = lpart = opart = o  # unused
     inv_freq = rope_inv_freq(Dh, rope_theta, q.device)
-    _verify_attention_kernel[(Bsz * Hkv, splits)](
+    launches = [Launch(_verify_attention_kernel, (Bsz * Hkv, splits), (
         q, k, v, k_cache, v_cache, slot_ids, seq_lens, o, mpart, lpart, opart, inv_freq,
         L, chunk, float(scale),
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
         *k_cache.stride()[:3], *v_cache.stride()[:3], *o.stride()[:3],
-        K=K, HKV=Hkv, REP=Hq // Hkv, DH=Dh, DH_PAD=DH_PAD,
-        BLOCK_M=pow2((Hq // Hkv) * K), BLOCK_N=BLOCK_N, K_PAD=pow2(K),
-        SPLITS=splits, ROPE=rope_theta is not None, DOT_PREC=dot_precision(q.dtype),
-    )
+    ), dict(K=K, HKV=Hkv, REP=Hq // Hkv, DH=Dh, SPLITS=splits, ROPE=rope_theta is not None, **meta))]
     if splits > 1:
-        _combine_kernel[(Bsz * K * Hq,)](
-            mpart, lpart, opart, o, *o.stride()[:3],
-            K=K, HQ=Hq, DH=Dh, DH_PAD=DH_PAD, SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
-        )
+        launches.append(Launch(_combine_kernel, (Bsz * K * Hq,), (mpart, lpart, opart, o, *o.stride()[:3]),
+                               dict(K=K, HQ=Hq, DH=Dh, SPLITS=splits, **combine_meta(Dh, splits))))
+    return launches, o
+
+
+def _attention_verify(q, k, v, k_cache, v_cache, slot_ids, seq_lens, scale, rope_theta=None, num_splits=None):
+    """attention_verify with the split count exposed (tests force the split and unsplit paths)."""
+    launches, o = attention_verify_plan(q, k, v, k_cache, v_cache, slot_ids, seq_lens, scale, rope_theta, num_splits,
+                                        cuda=q.is_cuda, n_sm=sm_count(q.device))
+    run(launches)
     return o
 
 
@@ -168,6 +196,21 @@ def attention_verify(q, k, v, k_cache, v_cache, slot_ids, seq_lens, scale: float
     The caller guarantees seq_lens[b] + K <= L (checked by the reference's indexing, not here: that
     would need a host sync); new rows past L are not stored."""
     return _attention_verify(q, k, v, k_cache, v_cache, slot_ids, seq_lens, scale, rope_theta)
+
+
+def attention_verify_bytes(B: int, K: int, Hq: int, Hkv: int, Dh: int, ctx: int, act: int, splits: int = 1,
+                           rope: bool = False) -> dict:
+    """The bytes one call moves, by tensor: what each launch loads or stores, every element once per launch (each
+    K/V cache row is read once for all REP*K query rows of its KV head). ctx: the cache rows each sequence
+    already holds (seq_lens); act: bytes of an element of q and of the cache; ids int64, partials fp32."""
+    out = {
+        "q": B * K * Hq * Dh * act, "k, v": 2 * B * K * Hkv * Dh * act, "cache rows read": 2 * B * ctx * Hkv * Dh * act,
+        "slot_ids, seq_lens": 2 * B * 8, "inv_freq": Dh // 2 * 4 if rope else 0,
+        "cache rows written": 2 * B * K * Hkv * Dh * act, "o": B * K * Hq * Dh * act,
+    }
+    if splits > 1:  # (m, l, acc) of every split, written by the splits and read by _combine_kernel
+        out["partials written"] = out["partials read"] = B * K * Hq * splits * (2 + max(16, next_pow2(Dh))) * 4
+    return out
 
 
 def attention_verify_ref(q, k, v, k_cache, v_cache, slot_ids, seq_lens, scale: float, rope_theta=None):

@@ -14,7 +14,7 @@ fold into the masks, so a row that does not commit moves no bytes and the host n
 """
 import torch
 
-from nano_spec_kernels.common import INT, Arg, Checker, tl, triton
+from nano_spec_kernels.common import INT, Arg, Checker, Launch, run, sm_count, tl, triton
 
 _check = Checker("commit_state")
 _ARGS = {
@@ -52,20 +52,42 @@ def _commit_state_kernel(p_ssm_state, p_conv_state, p_ssm_stash, p_conv_stash, p
     tl.store(dst + o, tl.load(src + o_c * (Wm1 + K) + b_na + 1 + o_w, mask=m), mask=m)
 
 
-def commit_state(ssm_state, conv_state, ssm_stash, conv_stash, slot_ids, na, active):
-    """Triton version of commit_state_ref (same arguments, in place, no host sync): all tensors
-    contiguous on one device, each state with its stash's dtype."""
+def commit_meta() -> dict:
+    """_commit_state_kernel's meta-parameters (scripts/compile_check.py compiles these)."""
+    return dict(BLOCK=1024, num_warps=4)
+
+
+def commit_state_plan(ssm_state, conv_state, ssm_stash, conv_stash, slot_ids, na, active, *, cuda: bool, n_sm: int):
+    """The launch of commit_state on a device of n_sm SMs (CUDA or the interpreter), and None (it works in place)."""
     d = _check.args(_ARGS, ssm_state=ssm_state, conv_state=conv_state, ssm_stash=ssm_stash, conv_stash=conv_stash,
                     slot_ids=slot_ids, na=na, active=active)
     L, S, Bsz, K, C, Wm1 = d.L, d.S, d.B, d.K, d.C, d.Wm1
     _check(Wm1 >= 1, "conv window W-1 must be >= 1")
     if L * Bsz == 0:
-        return
+        return [], None
     HPN = d.H * d.P * d.N
-    BLOCK = 1024
-    grid = (L * Bsz, triton.cdiv(max(HPN, C * Wm1), BLOCK))
-    _commit_state_kernel[grid](ssm_state, conv_state, ssm_stash, conv_stash, slot_ids, na, active.view(torch.uint8),
-                               Bsz, S, K, HPN, C, Wm1=Wm1, BLOCK=BLOCK, num_warps=4)
+    meta = commit_meta()
+    grid = (L * Bsz, triton.cdiv(max(HPN, C * Wm1), meta["BLOCK"]))
+    args = (ssm_state, conv_state, ssm_stash, conv_stash, slot_ids, na, active.view(torch.uint8), Bsz, S, K, HPN, C)
+    return [Launch(_commit_state_kernel, grid, args, dict(Wm1=Wm1, **meta))], None
+
+
+def commit_state(ssm_state, conv_state, ssm_stash, conv_stash, slot_ids, na, active):
+    """Triton version of commit_state_ref (same arguments, in place, no host sync): all tensors
+    contiguous on one device, each state with its stash's dtype."""
+    run(commit_state_plan(ssm_state, conv_state, ssm_stash, conv_stash, slot_ids, na, active,
+                          cuda=ssm_state.is_cuda, n_sm=sm_count(ssm_state.device))[0])
+
+
+def commit_state_bytes(L: int, B: int, K: int, H: int, P: int, N: int, C: int, W: int, act: int,
+                       rows: int | None = None) -> dict:
+    """The bytes one call moves, by tensor, when `rows` of the B sequences commit (all of them when None; a row
+    that does not commit moves nothing): per Mamba layer and committing row, one stash state read and one live
+    state written, ssm (fp32) and conv window (act bytes an element); slot_ids, na (int64) and active read once."""
+    rows = B if rows is None else rows
+    return {"slot_ids, na, active": B * (8 + 8 + 1),
+            "ssm_stash read": L * rows * H * P * N * 4, "ssm_state written": L * rows * H * P * N * 4,
+            "conv_stash read": L * rows * C * (W - 1) * act, "conv_state written": L * rows * C * (W - 1) * act}
 
 
 def commit_state_ref(ssm_state, conv_state, ssm_stash, conv_stash, slot_ids, na, active):

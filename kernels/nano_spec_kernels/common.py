@@ -43,6 +43,22 @@ except ImportError:
     triton = tl = _NoTriton()
 
 
+class Launch(NamedTuple):
+    """One kernel launch as a launcher plans it, kernel[grid](*args, **meta); meta holds the constexprs and
+    num_warps / num_stages. A launcher runs its plan; scripts/compile_check.py compiles the same plan for a
+    GPU it does not have."""
+    kernel: object
+    grid: tuple
+    args: tuple
+    meta: dict
+
+
+def run(launches):
+    """Launch a plan's kernels in order."""
+    for launch in launches:
+        launch.kernel[launch.grid](*launch.args, **launch.meta)
+
+
 def one_of(*dtypes: torch.dtype) -> tuple:
     """An Arg's dtypes: (the name its messages use, the test)."""
     return "/".join(str(dt).removeprefix("torch.") for dt in dtypes), dtypes.__contains__
@@ -123,19 +139,33 @@ def _size(expr: str, dims: dict) -> int | str:
     return expr if None in (v for _, v in terms) else sum(-v if sign == "-" else v for sign, v in terms)
 
 
+def next_pow2(n: int) -> int:
+    """The least power of two >= n (1 for n <= 1), without triton."""
+    return 1 << max(0, n - 1).bit_length()
+
+
 def pow2(n: int, lo: int = 16) -> int:
     """Block extent >= n: a power of two, at least lo (16: the smallest tl.dot operand side)."""
     return max(lo, triton.next_power_of_2(n))
 
 
-def split_chunks(n: int, block: int, rows: int, device, splits: int | None = None):
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) of non-negative ints, usable without triton (the byte counts of the roofline)."""
+    return -(-a // b)
+
+
+def sm_count(device) -> int:
+    """Streaming multiprocessors of a CUDA device; 2 stands in for the CPU (the interpreter)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
+
+
+def split_plan(n: int, block: int, rows: int, n_sm: int, splits: int | None = None) -> tuple[int, int]:
     """Cut a length n read by `rows` rows into (chunk, splits): chunks of whole blocks; by default
-    enough to fill the device (about two programs per SM), each at least 4 blocks long."""
+    enough to fill n_sm SMs (about two programs per SM), each at least 4 blocks long."""
     if not splits:
-        n_sm = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
-        splits = max(1, min(triton.cdiv(2 * n_sm, rows), triton.cdiv(n, 4 * block)))
-    chunk = triton.cdiv(triton.cdiv(n, splits), block) * block
-    return chunk, triton.cdiv(n, chunk)
+        splits = max(1, min(cdiv(2 * n_sm, rows), cdiv(n, 4 * block)))
+    chunk = cdiv(cdiv(n, splits), block) * block
+    return chunk, cdiv(n, chunk)
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -21,10 +21,13 @@ channels on the fly (x of its head, B and C of its group, which every head block
 """
 import torch
 
-from nano_spec_kernels.common import (FLOAT, ROW, Arg, Checker, conv_silu_ref, load_conv_taps, load_head_params,
-                                      mamba_channels, mamba_dt, mamba_dt_ref, pow2, split_xbc, ssm_step_ref, tl, triton)
+from nano_spec_kernels.common import (FLOAT, ROW, Arg, Checker, Launch, conv_silu_ref, load_conv_taps, load_head_params,
+                                      mamba_channels, mamba_dt, mamba_dt_ref, pow2, run, sm_count, split_xbc,
+                                      ssm_step_ref, tl, triton)
 
-CHUNK = 32  # Q: tokens per chunk of the SSD form (tl.dot wants >= 16; 64 spills on sm_90 with N = 128)
+# Q: tokens per chunk of the SSD form. tl.dot wants >= 16; with N = 128 a chunk of 32 needs more than 255 registers
+# per thread on sm_90 and spills at any warp count (its dots are "ieee", on the FMA units), 16 does not.
+CHUNK = 16
 
 _check = Checker("mamba_scan")
 _ARGS = {"xBC": Arg("T C", FLOAT, ROW), "dt": Arg("T H", FLOAT, ROW),
@@ -158,10 +161,20 @@ def _mamba_scan_chunked_kernel(
     _store_conv_window(p_xbc, p_win, T, stride_t, o_cc, m_own, W - 1, BLOCK_W)
 
 
-def mamba_scan(xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, n_groups: int, head_dim: int,
-               dt_limit=(0.0, float("inf")), method: str = "auto"):
-    """Triton version of mamba_scan_ref, plus `method`: "recurrent", "chunked" (SSD, chunks of CHUNK
-    tokens) or "auto" (chunked on CUDA when T >= 2*CHUNK). xBC and dt may be row-strided views."""
+def scan_meta(method: str, P: int, N: int, W: int) -> dict:
+    """Meta-parameters of the "recurrent" or "chunked" kernel (scripts/compile_check.py compiles these):
+    16 head dims per program, more programs for few heads; tl.dot needs blocks >= 16. The chunked kernel: 8 warps
+    (16 cap a thread at 128 registers and spill), 2 stages (the next chunk's loads in flight; a third adds shared
+    memory and registers but no occupancy: 8 warps at ~220 registers fill an SM's register file already)."""
+    common = dict(BLOCK_N=pow2(N), BLOCK_W=triton.next_power_of_2(W))
+    if method == "recurrent":
+        return dict(common, BLOCK_P=min(triton.next_power_of_2(P), 16), num_warps=4)
+    return dict(common, BLOCK_P=16, Q=CHUNK, num_warps=8, num_stages=2)
+
+
+def mamba_scan_plan(xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, n_groups: int, head_dim: int,
+                    dt_limit=(0.0, float("inf")), method: str = "auto", *, cuda: bool, n_sm: int):
+    """The launch of mamba_scan on a device of n_sm SMs (CUDA or the interpreter), and the outputs it fills."""
     _check(method in ("auto", "recurrent", "chunked"), f"unknown method {method!r}")
     d = _check.args(_ARGS, xBC=xBC, dt=dt, conv_weight=conv_weight, conv_bias=conv_bias, dt_bias=dt_bias,
                     A_log=A_log, D=D)
@@ -175,19 +188,23 @@ def mamba_scan(xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, n_groups: int
     state = torch.empty(H, P, N, device=xBC.device, dtype=torch.float32)
     window = torch.empty(C, W - 1, device=xBC.device, dtype=xBC.dtype)
     if method == "auto":
-        method = "chunked" if (xBC.is_cuda and T >= 2 * CHUNK) else "recurrent"
-    # 16 head dims per program: more programs for few heads; tl.dot needs blocks >= 16
-    BLOCK_P = 16 if method == "chunked" else min(triton.next_power_of_2(P), 16)
-    common = dict(H=H, P=P, N=N, G=G, W=W, HAS_BIAS=conv_bias is not None, BLOCK_P=BLOCK_P,
-                  BLOCK_N=pow2(N), BLOCK_W=triton.next_power_of_2(W))
+        method = "chunked" if (cuda and T >= 2 * CHUNK) else "recurrent"
+    meta = scan_meta(method, P, N, W)
     args = (xBC, dt, conv_weight, conv_bias if conv_bias is not None else conv_weight, dt_bias, A_log, D,
             y, state, window, T, float(dt_limit[0]), float(dt_limit[1]), xBC.stride(0), dt.stride(0))
-    grid = (H, triton.cdiv(P, BLOCK_P))
-    if method == "recurrent":
-        _mamba_scan_recurrent_kernel[grid](*args, **common, num_warps=4)
-    else:
-        _mamba_scan_chunked_kernel[grid](*args, **common, Q=CHUNK, num_warps=8)
-    return y, state, window
+    kernel = _mamba_scan_recurrent_kernel if method == "recurrent" else _mamba_scan_chunked_kernel
+    return [Launch(kernel, (H, triton.cdiv(P, meta["BLOCK_P"])), args,
+                   dict(H=H, P=P, N=N, G=G, W=W, HAS_BIAS=conv_bias is not None, **meta))], (y, state, window)
+
+
+def mamba_scan(xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, n_groups: int, head_dim: int,
+               dt_limit=(0.0, float("inf")), method: str = "auto"):
+    """Triton version of mamba_scan_ref, plus `method`: "recurrent", "chunked" (SSD, chunks of CHUNK
+    tokens) or "auto" (chunked on CUDA when T >= 2*CHUNK). xBC and dt may be row-strided views."""
+    launches, out = mamba_scan_plan(xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, n_groups, head_dim, dt_limit,
+                                    method, cuda=xBC.is_cuda, n_sm=sm_count(xBC.device))
+    run(launches)
+    return out
 
 
 def mamba_scan_ref(xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, n_groups: int, head_dim: int,

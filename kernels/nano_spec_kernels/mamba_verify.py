@@ -23,8 +23,9 @@ The Triton version is two launches:
 """
 import torch
 
-from nano_spec_kernels.common import (FLOAT, INT, ROW, Arg, Checker, conv_silu_ref, load_conv_taps, load_head_params,
-                                      mamba_channels, mamba_dt, mamba_dt_ref, split_xbc, tl, triton)
+from nano_spec_kernels.common import (FLOAT, INT, ROW, Arg, Checker, Launch, conv_silu_ref, load_conv_taps,
+                                      load_head_params, mamba_channels, mamba_dt, mamba_dt_ref, run, sm_count,
+                                      split_xbc, tl, triton)
 
 _check = Checker("mamba_verify")
 _ARGS = {
@@ -135,10 +136,20 @@ def _conv_window_kernel(p_conv_stash, p_conv_state, p_slot, K, C,
     tl.store(p_conv_state + i_s * C * Wm1 + o_c[:, None] * Wm1 + o_w[None, :], b_w, mask=m)
 
 
-def mamba_verify(xBC, dt, conv_state, ssm_state, slot_ids, conv_weight, conv_bias, dt_bias, A_log, D,
-                 ssm_stash, conv_stash, n_groups: int, dt_limit=(0.0, float("inf"))):
-    """Triton version of mamba_verify_ref (same arguments and writes). xBC and dt may be strided
-    views with a unit last-dim stride; slot_ids must be distinct (not checked: no host sync)."""
+def verify_meta(P: int, N: int, W: int, K: int) -> dict:
+    """_mamba_verify_kernel's meta-parameters (scripts/compile_check.py compiles these)."""
+    return dict(BLOCK_P=min(triton.next_power_of_2(P), 16), BLOCK_N=triton.next_power_of_2(N),
+                BLOCK_W=triton.next_power_of_2(W), BLOCK_L=triton.next_power_of_2(W - 1 + K), num_warps=4)
+
+
+def window_meta(W: int) -> dict:
+    """_conv_window_kernel's meta-parameters."""
+    return dict(BLOCK_C=256, BLOCK_W=triton.next_power_of_2(W - 1), num_warps=4)
+
+
+def mamba_verify_plan(xBC, dt, conv_state, ssm_state, slot_ids, conv_weight, conv_bias, dt_bias, A_log, D,
+                      ssm_stash, conv_stash, n_groups: int, dt_limit=(0.0, float("inf")), *, cuda: bool, n_sm: int):
+    """The launches of mamba_verify on a device of n_sm SMs (CUDA or the interpreter), and the output they fill."""
     d = _check.args(_ARGS, xBC=xBC, dt=dt, conv_weight=conv_weight, conv_bias=conv_bias, dt_bias=dt_bias, A_log=A_log,
                     D=D, ssm_state=ssm_state, ssm_stash=ssm_stash, conv_state=conv_state, conv_stash=conv_stash,
                     slot_ids=slot_ids)
@@ -148,21 +159,47 @@ def mamba_verify(xBC, dt, conv_state, ssm_state, slot_ids, conv_weight, conv_bia
     _check(C == H * P + 2 * G * N, f"C={C} != H*P + 2*G*N = {H * P + 2 * G * N}")
     y = torch.empty(Bsz, K, H, P, device=xBC.device, dtype=xBC.dtype)
     if Bsz == 0 or K == 0:
-        return y
-    BLOCK_P = min(triton.next_power_of_2(P), 16)
-    grid = (Bsz, H, triton.cdiv(P, BLOCK_P))
-    _mamba_verify_kernel[grid](
-        xBC, dt, conv_state, ssm_state, slot_ids, conv_weight, conv_bias if conv_bias is not None else conv_weight,
-        dt_bias, A_log, D, ssm_stash, conv_stash, y,
-        K, C, float(dt_limit[0]), float(dt_limit[1]),
-        xBC.stride(0), xBC.stride(1), dt.stride(0), dt.stride(1),
-        H=H, P=P, N=N, G=G, W=W, HAS_BIAS=conv_bias is not None, BLOCK_P=BLOCK_P, BLOCK_N=triton.next_power_of_2(N),
-        BLOCK_W=triton.next_power_of_2(W), BLOCK_L=triton.next_power_of_2(W - 1 + K), num_warps=4,
-    )
-    BLOCK_C = 256
-    _conv_window_kernel[(Bsz, triton.cdiv(C, BLOCK_C))](conv_stash, conv_state, slot_ids, K, C, Wm1=W - 1,
-                                                        BLOCK_C=BLOCK_C, BLOCK_W=triton.next_power_of_2(W - 1))
+        return [], y
+    meta = verify_meta(P, N, W, K)
+    window = window_meta(W)
+    return [
+        Launch(_mamba_verify_kernel, (Bsz, H, triton.cdiv(P, meta["BLOCK_P"])), (
+            xBC, dt, conv_state, ssm_state, slot_ids, conv_weight, conv_bias if conv_bias is not None else conv_weight,
+            dt_bias, A_log, D, ssm_stash, conv_stash, y,
+            K, C, float(dt_limit[0]), float(dt_limit[1]),
+            xBC.stride(0), xBC.stride(1), dt.stride(0), dt.stride(1),
+        ), dict(H=H, P=P, N=N, G=G, W=W, HAS_BIAS=conv_bias is not None, **meta)),
+        Launch(_conv_window_kernel, (Bsz, triton.cdiv(C, window["BLOCK_C"])), (conv_stash, conv_state, slot_ids, K, C),
+               dict(Wm1=W - 1, **window)),
+    ], y
+
+
+def mamba_verify(xBC, dt, conv_state, ssm_state, slot_ids, conv_weight, conv_bias, dt_bias, A_log, D,
+                 ssm_stash, conv_stash, n_groups: int, dt_limit=(0.0, float("inf"))):
+    """Triton version of mamba_verify_ref (same arguments and writes). xBC and dt may be strided
+    views with a unit last-dim stride; slot_ids must be distinct (not checked: no host sync)."""
+    launches, y = mamba_verify_plan(xBC, dt, conv_state, ssm_state, slot_ids, conv_weight, conv_bias, dt_bias, A_log, D,
+                                    ssm_stash, conv_stash, n_groups, dt_limit,
+                                    cuda=xBC.is_cuda, n_sm=sm_count(xBC.device))
+    run(launches)
     return y
+
+
+def mamba_verify_bytes(B: int, K: int, H: int, P: int, N: int, G: int, W: int, act: int, param: int | None = None,
+                       bias: bool = True) -> dict:
+    """The bytes one call moves, by tensor: what each of its two launches loads or stores, every element once per
+    launch (the B/C channels each head block of a group reads again come from L2). act: bytes of an activation and
+    of the conv state, param: of a layer weight (act when None); the ssm state and stash are fp32, ids int64.
+    The K stash states (4*K*H*P*N per sequence) are most of it."""
+    param = act if param is None else param
+    C, HPN = H * P + 2 * G * N, H * P * N
+    return {
+        "xBC": B * K * C * act, "dt": B * K * H * act, "conv_state read": B * C * (W - 1) * act,
+        "ssm_state read": B * HPN * 4, "weights": (C * W + C * bias + 3 * H) * param, "slot_ids": 2 * B * 8,
+        "ssm_stash": B * K * HPN * 4, "ssm_state written": B * HPN * 4, "conv_stash": B * C * (W - 1 + K) * act,
+        "y": B * K * H * P * act,
+        "conv_stash read": B * C * (W - 1) * act, "conv_state written": B * C * (W - 1) * act,  # _conv_window_kernel
+    }
 
 
 def mamba_verify_ref(xBC, dt, conv_state, ssm_state, slot_ids, conv_weight, conv_bias, dt_bias, A_log, D,

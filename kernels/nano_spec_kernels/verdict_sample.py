@@ -27,7 +27,7 @@ consistent and a draw never runs past the last token with mass except where the 
 """
 import torch
 
-from nano_spec_kernels.common import FLOAT, INT, ROW, STRIDED, Arg, Checker, one_of, tl, triton
+from nano_spec_kernels.common import FLOAT, INT, ROW, STRIDED, Arg, Checker, Launch, one_of, run, sm_count, tl, triton
 
 _check = Checker("verdict_sample")
 _ARGS = {  # logits and uniforms go through torch, drafts by strides; the kernel reads nd[b] at b
@@ -110,8 +110,17 @@ def _verdict_sample_kernel(
     tl.store(p_tok + o_b, tl.minimum(b_cnt, V - 1), mask=m_b)
 
 
-def _verdict_sample(logits, draft_probs, drafts, nd, uniforms, temperature, top_k, top_p, block_v=None):
-    """verdict_sample with the V tile exposed (tests force several tiles)."""
+def sample_meta(V: int, Bsz: int, cuda: bool, block_v: int | None = None) -> dict:
+    """_verdict_sample_kernel's meta-parameters (scripts/compile_check.py compiles these); small vocabularies:
+    several sequences per program, tiles of about 2k elements."""
+    BLOCK_V = block_v or min(2048 if cuda else 1024, triton.next_power_of_2(V))
+    return dict(BLOCK_V=BLOCK_V, BLOCK_B=min(max(1, 2048 // BLOCK_V), triton.next_power_of_2(Bsz), 256), num_warps=4)
+
+
+def verdict_sample_plan(logits, draft_probs, drafts, nd, uniforms, temperature, top_k, top_p, block_v=None, *,
+                        cuda: bool, n_sm: int):
+    """The launch of verdict_sample on a device of n_sm SMs (CUDA or the interpreter), after the torch part (the
+    filtered target probabilities), and the outputs it fills; block_v overrides the V tile (tests force several)."""
     dims = _check.args(_ARGS, logits=logits, draft_probs=draft_probs, drafts=drafts, nd=nd,
                        uniforms=uniforms, temperature=temperature, top_k=top_k, top_p=top_p)
     Bsz, K, V, dev = dims.B, dims.K, dims.V, dims.device
@@ -119,18 +128,33 @@ def _verdict_sample(logits, draft_probs, drafts, nd, uniforms, temperature, top_
     na = torch.empty((Bsz,), dtype=torch.int64, device=dev)
     token = torch.empty((Bsz,), dtype=torch.int64, device=dev)
     if Bsz == 0:
-        return na, token
+        return [], (na, token)
     p = sampling_probs_ref(logits, temperature, top_k, top_p).contiguous()  # (B, K, V) fp32
     q, d = (draft_probs, drafts) if K > 1 else (p, na)  # K = 1: placeholders the kernel never reads
-    BLOCK_V = block_v or min(2048 if logits.is_cuda else 1024, triton.next_power_of_2(V))
-    # small vocabularies: several sequences per program, tiles of about 2k elements
-    BLOCK_B = min(max(1, 2048 // BLOCK_V), triton.next_power_of_2(Bsz), 256)
-    _verdict_sample_kernel[(triton.cdiv(Bsz, BLOCK_B),)](
+    meta = sample_meta(V, Bsz, cuda, block_v)
+    return [Launch(_verdict_sample_kernel, (triton.cdiv(Bsz, meta["BLOCK_B"]),), (
         p, q, d, nd, uniforms, na, token, Bsz, V,
         q.stride(0), q.stride(1), d.stride(0), d.stride(1) if K > 1 else 0, uniforms.stride(0), uniforms.stride(1),
-        K=K, BLOCK_B=BLOCK_B, BLOCK_V=BLOCK_V,
-    )
-    return na, token
+    ), dict(K=K, **meta))], (na, token)
+
+
+def _verdict_sample(logits, draft_probs, drafts, nd, uniforms, temperature, top_k, top_p, block_v=None):
+    """verdict_sample with the V tile exposed (tests force several tiles)."""
+    launches, out = verdict_sample_plan(logits, draft_probs, drafts, nd, uniforms, temperature, top_k, top_p, block_v,
+                                        cuda=logits.is_cuda, n_sm=sm_count(logits.device))
+    run(launches)
+    return out
+
+
+def verdict_sample_bytes(B: int, K: int, V: int, act: int) -> dict:
+    """The bytes one call moves, by tensor, at the least: the torch part reads the logits (act bytes an element)
+    and the sampling settings and writes the filtered probabilities p (B, K, V) fp32 (its sort and scans move
+    several times that, not counted); the kernel reads each sequence's row p[b, na] and, after a rejection is
+    possible (K > 1), the draft row q[b, na], the K-1 values at the drafts in each, drafts, nd and uniforms,
+    and writes na and the token."""
+    return {"logits": B * K * V * act, "temperature, top_k, top_p": B * (4 + 8 + 4), "p written": B * K * V * 4,
+            "p row": B * V * 4, "q row": B * V * 4 if K > 1 else 0, "p, q at drafts": 2 * B * (K - 1) * 4,
+            "drafts, nd, uniforms": B * (K - 1) * 8 + B * 8 + B * K * 4, "na, token": 2 * B * 8}
 
 
 def verdict_sample(logits, draft_probs, drafts, nd, uniforms, temperature, top_k, top_p):

@@ -14,13 +14,15 @@ import itertools
 import pytest
 import torch
 
-from nano_spec_kernels.attention_verify import attention_verify, attention_verify_ref
-from nano_spec_kernels.verdict_greedy import verdict_greedy, verdict_greedy_ref
+from nano_spec_kernels.attention_verify import (attention_verify, attention_verify_bytes, attention_verify_ref,
+                                               verify_meta)
+from nano_spec_kernels.common import sm_count, split_plan
+from nano_spec_kernels.verdict_greedy import row_stats_meta, verdict_greedy, verdict_greedy_bytes, verdict_greedy_ref
 
 try:
-    from tests.bench.util import report_row, time_ms
+    from tests.bench.util import HEADER, report_row, time_ms
 except ImportError:  # under pytest, tests/ itself is on sys.path
-    from bench.util import report_row, time_ms
+    from bench.util import HEADER, report_row, time_ms
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -37,19 +39,19 @@ else:
     GREEDY_SHAPES = list(itertools.product([4096, 131072], [1, 8], [1, 5]))
 
 
-def attention_verify_bytes(seq_len: int, Bsz: int, K: int, elem: int) -> int:
-    """Cache rows read (the seq_len old rows of K and V), the new q, k, v read, the K new K/V
-    rows written to the cache, o written; slot ids and lengths are negligible."""
-    kv_read = 2 * Bsz * seq_len * HKV * DH * elem
-    new_in = Bsz * K * (HQ + 2 * HKV) * DH * elem
-    kv_write = 2 * Bsz * K * HKV * DH * elem
-    out = Bsz * K * HQ * DH * elem
-    return kv_read + new_in + kv_write + out
+def verify_bytes(seq_len: int, Bsz: int, K: int) -> int:
+    """attention_verify_bytes (the formula beside the kernel) at this device's split count: the seq_len old cache
+    rows of K and V read, the new q, k, v read, the K new K/V rows and o written, the partials of a split."""
+    meta = verify_meta(HQ, HKV, DH, K, ATTN_DTYPE, CUDA)
+    splits = split_plan(seq_len + K, meta["BLOCK_N"], Bsz * HKV, sm_count(torch.device(DEVICE)))[1]
+    return sum(attention_verify_bytes(Bsz, K, HQ, HKV, DH, seq_len, ATTN_DTYPE.itemsize, splits, rope=True).values())
 
 
-def verdict_greedy_bytes(V: int, Bsz: int, K: int, elem: int) -> int:
-    """Logits read once; drafts and num_drafts read; picks and na (int64) written."""
-    return Bsz * K * V * elem + Bsz * (K - 1) * 8 + Bsz * 8 + Bsz * K * 8 + Bsz * 8
+def greedy_bytes(V: int, Bsz: int, K: int, elem: int) -> int:
+    """verdict_greedy_bytes at this device's split count: the logits read once, the partials, ids and picks."""
+    block = row_stats_meta(V, CUDA)["BLOCK_V"]
+    splits = split_plan(V, block, Bsz * K, sm_count(torch.device(DEVICE)))[1]
+    return sum(verdict_greedy_bytes(Bsz, K, V, elem, splits).values())
 
 
 def _verify_inputs(seq_len: int, Bsz: int, K: int):
@@ -71,8 +73,7 @@ def run_attention_verify(seq_len: int, Bsz: int, K: int):
     fn = (lambda: attention_verify(*args)) if CUDA else (lambda: attention_verify_ref(*args))
     ms = time_ms(fn, reps=REPS) if CUDA else ref_ms
     name = "attention_verify" if CUDA else "attention_verify_ref"
-    row = report_row(name, f"L={seq_len} B={Bsz} K={K}", ms, attention_verify_bytes(seq_len, Bsz, K, ATTN_DTYPE.itemsize),
-                     ref_ms if CUDA else None)
+    row = report_row(name, f"L={seq_len} B={Bsz} K={K}", ms, verify_bytes(seq_len, Bsz, K), ref_ms if CUDA else None)
     return fn, row
 
 
@@ -89,7 +90,7 @@ def run_verdict_greedy(V: int, Bsz: int, K: int):
     fn = (lambda: verdict_greedy(*args)) if CUDA else (lambda: verdict_greedy_ref(*args))
     ms = time_ms(fn, reps=REPS) if CUDA else ref_ms
     name = "verdict_greedy" if CUDA else "verdict_greedy_ref"
-    row = report_row(name, f"V={V} B={Bsz} K={K}", ms, verdict_greedy_bytes(V, Bsz, K, 4), ref_ms if CUDA else None)
+    row = report_row(name, f"V={V} B={Bsz} K={K}", ms, greedy_bytes(V, Bsz, K, 4), ref_ms if CUDA else None)
     return fn, row
 
 
@@ -108,7 +109,7 @@ def test_bench_verdict_greedy(benchmark, V, Bsz, K):
 
 
 def main():
-    header = f"{'kernel':<18} {'shape':<34} {'time':>13} {'bandwidth':>14} {'% peak':>7} {'vs ref':>8}"
+    header = HEADER
     print(f"device: {torch.cuda.get_device_name() if CUDA else 'cpu (references only)'}")
     print(header)
     for shape in VERIFY_SHAPES:

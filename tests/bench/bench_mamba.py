@@ -14,15 +14,15 @@ interpreter's timings mean nothing), on smaller shapes.
 import pytest
 import torch
 
-from nano_spec_kernels.commit_state import commit_state, commit_state_ref
+from nano_spec_kernels.commit_state import commit_state, commit_state_bytes, commit_state_ref
 from nano_spec_kernels.mamba_scan import mamba_scan, mamba_scan_ref
-from nano_spec_kernels.mamba_verify import mamba_verify, mamba_verify_ref
-from nano_spec_kernels.rmsnorm import rmsnorm, rmsnorm_ref
+from nano_spec_kernels.mamba_verify import mamba_verify, mamba_verify_bytes, mamba_verify_ref
+from nano_spec_kernels.rmsnorm import rmsnorm, rmsnorm_bytes, rmsnorm_ref
 
 try:
-    from tests.bench.util import report_row, time_ms
+    from tests.bench.util import HEADER, report_row, time_ms
 except ImportError:  # under pytest, tests/ itself is on sys.path
-    from bench.util import report_row, time_ms
+    from bench.util import HEADER, report_row, time_ms
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -51,36 +51,30 @@ else:
 # ---------------------------------------------------------------- bytes that must move
 
 def verify_bytes(Bsz: int, K: int, act: int = ACT.itemsize, shape=None) -> dict:
-    """One verify step of one layer, split into what is read and what is written.
-    The ssm stash holds K full states per sequence (the state after every row, so that
-    any accepted prefix can be committed by a copy): it is most of the traffic and
-    grows with K; that is the cost a later 'replay' design (stash the K rows' inputs,
-    recompute the accepted state at commit) will attack."""
+    """One verify step of one layer (mamba_verify_bytes, the formula beside the kernel), grouped into what is
+    read and what each output costs. The ssm stash holds K full states per sequence (the state after every row,
+    so that any accepted prefix can be committed by a copy): it is most of the traffic and grows with K; that is
+    the cost a later 'replay' design (stash the K rows' inputs, recompute the accepted state at commit) will attack."""
     H, P, N, G, W = shape or (globals()["H"], globals()["P"], globals()["N"], globals()["G"], globals()["W"])
-    C = H * P + 2 * G * N
-    state = H * P * N * 4
+    b = mamba_verify_bytes(Bsz, K, H, P, N, G, W, act)
     return dict(
-        read=Bsz * (state + C * (W - 1) * act + K * C * act + K * H * act) + C * W * act + C * act + 3 * H * 4,
-        ssm_stash=Bsz * K * state,
-        ssm_state=Bsz * state,
-        conv=Bsz * (C * (W - 1 + K) + C * (W - 1)) * act,  # conv_stash + live conv_state
-        y=Bsz * K * H * P * act,
+        read=sum(b[k] for k in ("xBC", "dt", "conv_state read", "ssm_state read", "weights", "slot_ids",
+                                "conv_stash read")),
+        ssm_stash=b["ssm_stash"],
+        ssm_state=b["ssm_state written"],
+        conv=b["conv_stash"] + b["conv_state written"],
+        y=b["y"],
     )
 
 
-def commit_bytes(Bsz: int, L: int, act: int = ACT.itemsize) -> int:
-    """Every row commits (worst case): the stash row read and the live state written, ssm and conv."""
-    return 2 * L * Bsz * (H * P * N * 4 + C * (W - 1) * act)
+def commit_bytes(Bsz: int, L: int, K: int, act: int = ACT.itemsize) -> int:
+    """Every row commits (worst case): commit_state_bytes, the stash row read and the live state written."""
+    return sum(commit_state_bytes(L, Bsz, K, H, P, N, C, W, act).values())
 
 
 def scan_bytes(T: int, act: int = ACT.itemsize) -> int:
     """xBC and dt read, y written, the final state and conv window written (parameters included)."""
     return T * (C + H) * act + T * H * P * act + H * P * N * 4 + C * (W - 1) * act + (C * W + C) * act + 3 * H * 4
-
-
-def rmsnorm_bytes(rows: int, D: int, act: int = ACT.itemsize) -> int:
-    """x and residual read, y and h written, weight read once."""
-    return 4 * rows * D * act + D * act
 
 
 # ---------------------------------------------------------------- runners
@@ -131,7 +125,7 @@ def run_commit_state(Bsz: int, K: int):
     active = torch.ones(Bsz, dtype=torch.bool, device=DEVICE)
     args = (ssm_state, conv_state, ssm_stash, conv_stash, slots, na, active)
     return _timed("commit_state", f"L={L} B={Bsz} K={K}", lambda: commit_state(*args),
-                  lambda: commit_state_ref(*args), commit_bytes(Bsz, L))
+                  lambda: commit_state_ref(*args), commit_bytes(Bsz, L, K))
 
 
 def run_mamba_scan(T: int):
@@ -153,7 +147,8 @@ def run_rmsnorm(rows: int):
     res = torch.randn(rows, D_MODEL, device=DEVICE, dtype=ACT)
     w = torch.randn(D_MODEL, device=DEVICE, dtype=ACT)
     return _timed("rmsnorm+residual", f"rows={rows} D={D_MODEL}", lambda: rmsnorm(x, w, 1e-5, res, 0.5),
-                  lambda: rmsnorm_ref(x, w, 1e-5, res, 0.5), rmsnorm_bytes(rows, D_MODEL))
+                  lambda: rmsnorm_ref(x, w, 1e-5, res, 0.5),
+                  sum(rmsnorm_bytes(rows, D_MODEL, ACT.itemsize, True).values()))
 
 
 TABLE_SHAPE = (48, 64, 128, 1, 4)  # granite-4.0-h-1b-like layer, whatever the device
@@ -206,7 +201,7 @@ def test_bench_bytes_per_step_table():
 
 
 def main():
-    header = f"{'kernel':<18} {'shape':<34} {'time':>13} {'bandwidth':>14} {'% peak':>7} {'vs ref':>8}"
+    header = HEADER
     print(f"device: {torch.cuda.get_device_name() if CUDA else 'cpu (references only)'}")
     for runner, shapes in ((run_mamba_verify, VERIFY_SHAPES), (run_commit_state, COMMIT_SHAPES),
                            (run_mamba_scan, [(t,) for t in SCAN_T]), (run_rmsnorm, [(r,) for r in NORM_ROWS])):

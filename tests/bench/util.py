@@ -1,9 +1,11 @@
 """Timing and the bandwidth table shared by the kernel benchmarks.
 
-GB/s = bytes that must move / time, where "bytes that must move" is written out
-per kernel (inputs read once + outputs written once). On CUDA the Triton kernel
-is timed with triton.testing.do_bench and compared with the device's HBM peak;
-on the CPU only the torch reference is timed (interpreter timings mean nothing).
+GB/s = bytes that must move / time, where "bytes that must move" is the formula
+beside each kernel (`<op>_bytes`: inputs read once + outputs written once), the
+same the roofline of `python -m tests.bench --predict` uses. On CUDA the Triton
+kernel is timed with triton.testing.do_bench and printed beside its roofline time
+(bytes / the device's HBM peak); on the CPU only the torch reference is timed
+(interpreter timings mean nothing).
 """
 import time
 
@@ -39,12 +41,18 @@ def nbytes(*tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+HEADER = (f"{'kernel':<18} {'shape':<34} {'time':>13} {'roofline':>12} {'bandwidth':>14} {'% peak':>7} "
+          f"{'vs ref':>8}")
+
+
 def report_row(kernel: str, shape: str, ms: float, bytes_moved: int, ref_ms: float | None = None) -> str:
-    """One printed table row: kernel, shape, time, GB/s, % of peak (CUDA), ratio to the reference."""
+    """One printed table row: kernel, shape, time, the roofline time (bytes / HBM peak, CUDA), GB/s, % of peak
+    (= roofline / time), ratio to the reference."""
     gbps = bytes_moved / (ms * 1e-3) / 1e9
     peak = peak_gbps()
     pct = f"{100 * gbps / peak:6.1f}%" if peak else "    n/a"
+    roof = f"{bytes_moved / peak / 1e3:9.1f} us" if peak else f"{'n/a':>12}"
     ratio = f"{ref_ms / ms:7.2f}x" if ref_ms else "      -"
-    row = f"{kernel:<18} {shape:<34} {ms * 1e3:10.1f} us {gbps:9.1f} GB/s {pct} {ratio}"
+    row = f"{kernel:<18} {shape:<34} {ms * 1e3:10.1f} us {roof} {gbps:9.1f} GB/s {pct} {ratio}"
     print(row)
     return row
