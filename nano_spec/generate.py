@@ -10,9 +10,7 @@ import argparse
 import itertools
 import json
 import os
-import signal
 import sys
-import threading
 import time
 
 MAX_THREADS = 4 * (os.cpu_count() or 1)  # --threads above: no use, and torch crashes on counts such as 100000
@@ -174,7 +172,7 @@ def run(args) -> int:
         else:
             outs = [None] * len(prompts)
             try:
-                generate_all(llm, prompts, params, outs)
+                llm.generate(prompts, params, on_finish=outs.__setitem__)
             except KeyboardInterrupt:  # what had finished is printed as in a full run
                 done = [o for o in outs if o is not None]
                 print_outputs(args, llm, done)
@@ -191,68 +189,6 @@ def run(args) -> int:
     if args.stats:
         print_stats(llm.stats, [o for o in outs if o.finish_reason != "error"], elapsed)
     return 1 if failed else 0
-
-
-def generate_all(llm, prompts: list, params, outs: list):
-    """What llm.generate(prompts, params) does, but outs[i] holds request i's Output as soon as it finishes, so
-    that a run cut short by Ctrl-C still has the outputs of the requests that finished (llm.generate cancels
-    them all). One stream per request, all on the one engine: each is read once (a stream may queue its request
-    only then), then the first unfinished one drives the steps, and after each step the streams of the requests
-    it finished are drained, which runs no step. A StepReport says which: the rows that finished, the failed
-    admissions, and admissions that finished at once (no row); the streams' sequence ids are consecutive in
-    stream order, from the first one the first step admits.
-
-    The first Ctrl-C ends the run after the step in progress, at a point where every output is whole (a
-    KeyboardInterrupt mid-step would cut a stream as it delivers its output); a second one interrupts at once."""
-    streams = [llm.stream(p, params) for p in prompts]  # all validated; each queued now or on its first read
-    first, done, trace, stop = [], set(), llm.on_step, []
-
-    def on_step(report):
-        admitted = [seq_id for seq_id, _ in report.admitted]
-        if not first and (admitted or report.failed):
-            first.append(min(admitted + report.failed))
-        in_rows = {r.seq_id for r in report.rows}
-        done.update(report.failed, (r.seq_id for r in report.rows if r.finish_reason),
-                    (seq_id for seq_id in admitted if seq_id not in in_rows))
-        if trace is not None:
-            trace(report)
-
-    def collect():
-        for i, stream in enumerate(streams):
-            if outs[i] is None and first and first[0] + i in done:
-                for _ in stream:  # a finished request's stream yields its text and ends without a step
-                    pass
-                outs[i] = stream.output
-
-    def read(i):
-        """A piece of stream i's text, or a step that advances every queued request; its Output once it ends."""
-        if next(streams[i], None) is None:
-            outs[i] = streams[i].output
-        collect()
-        if stop:
-            raise KeyboardInterrupt
-
-    def on_sigint(signum, frame):
-        stop.append(signum)
-        signal.signal(signal.SIGINT, previous)
-
-    main_thread = threading.current_thread() is threading.main_thread()  # where Python runs signal handlers
-    previous = signal.signal(signal.SIGINT, on_sigint) if main_thread else None
-    previous = signal.default_int_handler if previous is None else previous  # None: a handler not set from Python
-    llm.on_step = on_step
-    try:
-        for i in range(len(streams)):
-            if outs[i] is None:
-                read(i)
-        while None in outs:
-            read(outs.index(None))
-    except KeyboardInterrupt:
-        collect()  # after a second Ctrl-C: the requests the last whole step finished
-        raise
-    finally:
-        llm.on_step = trace
-        if main_thread:
-            signal.signal(signal.SIGINT, previous)
 
 
 def print_outputs(args, llm, outs: list):

@@ -119,11 +119,14 @@ class LLM:
         self.scheduler = Scheduler(self.runner, self.tokenizer, max_seq_len, self.planner)
         self.on_step = on_step
 
-    def _step(self, focus=None):
+    def _step(self, focus=None, finished=None):
+        """One engine step; then finished() hands over what it finished, before on_step reports it."""
         report = self.scheduler.step(focus)
         if not (report.admitted or report.rows or report.failed):
             raise RuntimeError(f"engine step {report.index} made no progress ({len(self.scheduler.waiting)} waiting, "
                                f"{len(self.scheduler.running)} running, {len(self.scheduler.free_slots)} free slots)")
+        if finished is not None:
+            finished()
         if self.on_step is not None:
             self.on_step(report)
 
@@ -156,10 +159,11 @@ class LLM:
                       top_logprobs=None if lps is None else [top for _, top in lps],
                       error=seq.error if seq.finish_reason == "error" else None)
 
-    def generate(self, prompts, params=None) -> list:
+    def generate(self, prompts, params=None, on_finish=None) -> list:
         """Complete each prompt (a string, a list of token ids, or a list of either); params may be one
         SamplingParams for all or a list, one per prompt. Returns one Output per prompt, in order.
-        If it is interrupted (KeyboardInterrupt or any exception), its requests are cancelled."""
+        on_finish(i, output) is called as request i finishes, so a caller keeps what finished before an
+        interrupt. If it is interrupted (KeyboardInterrupt or any exception), its requests are cancelled."""
         single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
         if not single and not isinstance(prompts, (list, tuple)):
             raise ValueError(f"prompts: expected a string, a list of token ids or a list of prompts, "
@@ -170,10 +174,17 @@ class LLM:
             raise ValueError(f"params: {len(plist)} SamplingParams for {len(prompts)} prompts")
         requests = [self._prepare(p, sp) for p, sp in zip(prompts, plist)]  # all validated before any is queued
         seqs = [self.scheduler.add(*r) for r in requests]
-        focus = {s.id for s in seqs}  # only these run: a stream nobody reads waits
+        focus, told = {s.id for s in seqs}, set()  # only these run: a stream nobody reads waits
+
+        def finished():
+            for i in (i for i, s in enumerate(seqs) if s.finished and i not in told):
+                told.add(i)
+                if on_finish is not None:
+                    on_finish(i, self._output(prompts[i], seqs[i]))
+
         try:
             while not all(s.finished for s in seqs):
-                self._step(focus)
+                self._step(focus, finished)
         finally:  # an interrupted call leaves nothing of its own running
             for s in seqs:
                 self.scheduler.abort(s)

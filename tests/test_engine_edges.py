@@ -93,3 +93,14 @@ def test_ngram_index_equals_the_plain_scan():
             for gamma in (0, 1, 4):
                 assert proposer.lookup(seq, gamma) == ngram_lookup(seq.tokens, gamma), (trial, len(seq.tokens))
             seq.tokens += [rng.randrange(vocab) for _ in range(rng.randint(1, 5))]
+
+
+def test_on_finish_hands_over_each_output_once_as_it_finishes(ckpt):
+    llm = LLM(ckpt, proposer="mtp", num_drafts=3, max_batch=2)
+    got, steps = [], []
+    llm.on_step = lambda report: steps.append(len(got))
+    prompts = ["def f(x):", "x = 1", "h"]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (2, 30, 9)]
+    outs = llm.generate(prompts, params, on_finish=lambda i, o: got.append((i, o)))
+    assert sorted(i for i, _ in got) == [0, 1, 2] and all(o == outs[i] for i, o in got)
+    assert got[-1][0] == 1 and steps[0] < 3  # the short ones were handed over before the long one finished

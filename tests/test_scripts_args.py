@@ -293,8 +293,8 @@ def test_closed_pipe_ends_quietly(ckpt, flags):
 
 
 def test_json_output_equals_the_api(ckpt, tmp_path):
-    """The CLI runs its requests as streams (so Ctrl-C keeps the finished ones); its --json output is still what
-    LLM.generate gives, with slots reused (5 requests, 2 slots)."""
+    """The CLI collects each output as its request finishes (so Ctrl-C keeps the finished ones); its --json
+    output is what LLM.generate gives, with slots reused (5 requests, 2 slots)."""
     from nano_spec import LLM, SamplingParams
 
     prompts = ["def f(x):", "x = 1", "for i in", "héllo", "print("]
