@@ -85,7 +85,7 @@ def _size(n: int) -> str:
 
 SPLIT_WORK = 32e6  # parameters x rows per step below which one CPU thread is faster (docs/BENCHMARKS.md, Threads)
 TORCH_THREADS = torch.get_num_threads()  # torch's own default (one per core), as found at import
-MAX_THREADS = 4 * (os.cpu_count() or 1)   # far past any gain; an absurd count crashes OpenMP
+MAX_THREADS = 4 * (os.cpu_count() or 1)   # far past any gain; an absurd count (100000) crashes torch
 
 
 def default_threads(model, max_batch: int, device) -> int:

@@ -13,7 +13,6 @@ import os
 import sys
 import time
 
-MAX_THREADS = 4 * (os.cpu_count() or 1)  # --threads above: no use, and torch crashes on counts such as 100000
 DEFAULT_PROMPT = 'class Stack:\n    """A last-in, first-out stack."""\n\n    def __init__(self):\n        self.'
 
 
@@ -54,6 +53,8 @@ def parse_args(argv):
 
 
 def check_threads(threads):
+    from nano_spec.capacity import MAX_THREADS  # the engine's bound, named by the flag
+
     if threads is not None and not 1 <= threads <= MAX_THREADS:
         raise ValueError(f"--threads: must be an integer in [1, {MAX_THREADS}] (4 per CPU core), got {threads}")
 
