@@ -144,14 +144,15 @@ class ModelConfig:
         return cls.from_dict(d)
 
     def to_dict(self) -> dict:
-        """A config.json that both nano_spec and transformers' GraniteMoeHybrid read."""
+        """A config.json in the published Granite 4.0-H layout, which nano_spec, transformers and llama.cpp read."""
+        # the published spelling: layer_types "mamba"/"attention" and position_embedding_type "nope"/"rope", which
+        # llama.cpp's converter reads and transformers maps to its own names; and intermediate_size beside
+        # shared_intermediate_size, the converter's feed-forward length
         d = asdict(self)
-        d["layer_types"] = ["linear_attention" if t == "mamba" else "full_attention" for t in self.layer_types]
+        d["intermediate_size"] = self.shared_intermediate_size
         d["time_step_limit"] = [_encode_float(x) for x in self.time_step_limit]
         if self.rope is not None:
             d["rope_parameters"] = {"rope_type": "default", "rope_theta": self.rope_theta}
-        else:
-            d["position_embedding_type"] = None
         d.update(architectures=["GraniteMoeHybridForCausalLM"], model_type="granitemoehybrid",
                  num_hidden_layers=self.num_hidden_layers, num_local_experts=0, hidden_act="silu")
         return d

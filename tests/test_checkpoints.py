@@ -146,6 +146,18 @@ def test_config_forms_transformers_writes():
     assert legacy.layer_types == ["mamba", "attention"]
 
 
+def test_saved_config_is_in_the_published_spelling_and_both_spellings_read_alike(ckpt):
+    model, path = ckpt
+    saved = json.loads((path / "config.json").read_text())
+    assert saved["layer_types"] == ["mamba", "attention", "mamba", "mamba"]
+    assert saved["intermediate_size"] == saved["shared_intermediate_size"] == 40
+    assert saved["position_embedding_type"] == "nope"
+    transformers_spelling = dict(saved, layer_types=["linear_attention", "full_attention", "linear_attention",
+                                                     "linear_attention"], position_embedding_type=None)
+    del transformers_spelling["intermediate_size"]
+    assert ModelConfig.from_dict(transformers_spelling) == ModelConfig.from_dict(saved) == model.cfg
+
+
 def test_config_not_json(tmp_path):
     (tmp_path / "config.json").write_text("{nope")
     with pytest.raises(ConfigError, match="not valid JSON"):

@@ -75,6 +75,31 @@ def ckpt(tmp_path_factory):
     return path, ref
 
 
+# published fields about training or transformers' runtime, not the network: nano_spec does not write them
+NOT_WRITTEN = {"attention_dropout", "init_method", "initializer_range", "normalization_function", "num_experts_per_tok",
+               "output_router_logits", "router_aux_loss_coef", "rope_scaling", "torch_dtype", "use_cache"}
+# written beyond the published fields: the dt clamp (transformers' default when absent) and the MTP head count
+EXTRA = {"time_step_limit", "num_nextn_predict_layers"}
+
+
+def test_saved_config_has_the_published_field_names_and_spelling(tmp_path):
+    """save_model's config.json against granite-4.0-h-350m's: the same names for the same fields, and the
+    values of a model built from the published config (shrunk; a small vocabulary, for a quick save) written back
+    as published: layer_types "mamba"/"attention", intermediate_size beside shared_intermediate_size."""
+    from nano_spec.model import HybridLM
+    from nano_spec.ops import Ops
+    from nano_spec.weights import save_model
+
+    hub = dict(shrunk(), vocab_size=512, bos_token_id=257, eos_token_id=257, pad_token_id=256)
+    save_model(HybridLM(ModelConfig.from_dict(hub), Ops("torch")).init_weights(std=0.02, seed=0), tmp_path / "ck")
+    saved = json.loads((tmp_path / "ck" / "config.json").read_text())
+    published = granite_350m()
+    assert set(saved) - set(published) == EXTRA
+    assert set(published) - set(saved) == NOT_WRITTEN
+    assert {k: saved[k] for k in set(saved) & set(hub)} == {k: hub[k] for k in set(saved) & set(hub)}
+    assert set(saved["layer_types"]) == {"mamba", "attention"}
+
+
 def test_bf16_checkpoint_loads_strictly_and_runs_fp32_on_cpu(ckpt):
     path, _ = ckpt
     assert stored_dtype(path) == torch.bfloat16
