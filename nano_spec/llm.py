@@ -1,4 +1,5 @@
-"""The Python API: LLM(...).generate(prompts, params) and LLM(...).stream(prompt, params)."""
+"""The Python API: LLM(...).generate(prompts, params), LLM(...).stream(prompt, params), and their chat forms
+LLM(...).chat(messages, params) and LLM(...).chat_stream(messages, params)."""
 import os
 import time
 import weakref
@@ -8,6 +9,7 @@ from pathlib import Path
 import torch
 
 from nano_spec import capacity
+from nano_spec.chat import ChatTemplate, conversations
 from nano_spec.config import ModelConfig, is_int
 from nano_spec.grammar import Grammars
 from nano_spec.ops import resolve_backend
@@ -95,6 +97,7 @@ class LLM:
             raise ValueError(f"model: {path} is not a checkpoint directory")
         cfg = ModelConfig.from_file(path / "config.json")
         self.tokenizer = Tokenizer(path, cfg)
+        self.chat_template = ChatTemplate(path)
         self.grammars = Grammars(path / "tokenizer.json", cfg.vocab_size, self.tokenizer.eos_ids)
         kind, max_drafts = resolve_proposer(proposer, num_drafts, cfg.has_mtp)
         if dtype is None:  # CUDA: the stored dtype (bf16 for hub checkpoints); CPU: fp32, see README
@@ -196,6 +199,25 @@ class LLM:
         is validated now and queued on the first read; closing the stream, or dropping it, cancels the
         request and frees its slot. `.output` is its Output once done."""
         return Stream(self, prompt, self._prepare(prompt, params))
+
+    def chat(self, messages, params=None) -> list:
+        """Reply to one conversation, [{"role": ..., "content": ...}, ...], or to each of a list of them (params:
+        one SamplingParams or one per conversation). The checkpoint's chat template renders each with the
+        assistant's turn opened; its end-of-turn token stops the reply. Returns one Output per conversation,
+        its prompt the rendered text."""
+        return self.generate(self._chat_prompts(messages), params)
+
+    def chat_stream(self, messages, params=None) -> "Stream":
+        """The reply to one conversation as a Stream of text pieces (see stream and chat)."""
+        if isinstance(messages, (list, tuple)) and messages and isinstance(messages[0], (list, tuple)):
+            raise ValueError("messages: chat_stream takes one conversation; use chat for a list of them")
+        return self.stream(self._chat_prompts(messages), params)
+
+    def _chat_prompts(self, messages):
+        """The rendered prompt of one conversation, or a list of them; all validated before any is rendered."""
+        convs, single = conversations(messages)
+        prompts = [self.chat_template.render(c) for c in convs]
+        return prompts[0] if single else prompts
 
     @property
     def stats(self) -> dict:

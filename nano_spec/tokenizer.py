@@ -1,5 +1,6 @@
-"""A thin wrapper over a checkpoint's tokenizer.json, with EOS/BOS ids from its config."""
+"""A thin wrapper over a checkpoint's tokenizer.json, with EOS ids from config.json and tokenizer_config.json."""
 import codecs
+import json
 from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
@@ -12,6 +13,27 @@ class TokenizerError(ValueError):
     pass
 
 
+def tokenizer_config(path) -> dict:
+    """A checkpoint's tokenizer_config.json ({} when there is none): special tokens and the chat template."""
+    file = Path(path) / "tokenizer_config.json"
+    if not file.is_file():
+        return {}
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise TokenizerError(f"{file}: not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise TokenizerError(f"{file}: must hold a JSON object")
+    return config
+
+
+def special_token(value) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string, or an AddedToken {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
 class Tokenizer:
     def __init__(self, path, cfg: ModelConfig):
         file = Path(path) / "tokenizer.json"
@@ -21,11 +43,14 @@ class Tokenizer:
             self._tok = _HFTokenizer.from_file(str(file))
         except Exception as e:  # tokenizers raises a bare Exception on a malformed file
             raise TokenizerError(f"{file}: cannot be read as a tokenizers file ({e})") from None
-        self.eos_ids = cfg.eos_ids
         self._added, self._bytes = set(self._tok.get_added_tokens_decoder()), {}  # token_bytes: id -> bytes
         if self._tok.get_vocab_size() > cfg.vocab_size:
             raise TokenizerError(f"{file}: {self._tok.get_vocab_size()} tokens but the model has "
                                  f"vocab_size {cfg.vocab_size}")
+        # an instruct model ends its turn with the tokenizer's EOS (the chat template's end token), which
+        # config.json need not list; a name that is no token of tokenizer.json is ignored
+        eot = self._tok.token_to_id(special_token(tokenizer_config(path).get("eos_token")) or "")
+        self.eos_ids = cfg.eos_ids + ((eot,) if eot is not None and eot not in cfg.eos_ids else ())
 
     def encode(self, text: str) -> list:
         try:
