@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from nano_spec import capacity
+from nano_spec import capacity, hub
 from nano_spec.chat import ChatTemplate, conversations
 from nano_spec.config import ModelConfig, is_int
 from nano_spec.grammar import Grammars
@@ -70,13 +70,15 @@ class LLM:
                  num_drafts: int | str = "auto", proposer="auto", max_seq_len: int | None = None,
                  memory_budget: int | None = None, threads: int | None = None, clock=time.perf_counter,
                  on_step=None):
-        """proposer: "auto", "mtp", "ngram", "none", or an object with max_drafts, admit(), draft() and
+        """model: a checkpoint directory, or a Hugging Face model id ("org/name") found in the local cache or
+        downloaded (nano_spec/hub.py); a directory of that name wins. None: the shipped weights.
+        proposer: "auto", "mtp", "ngram", "none", or an object with max_drafts, admit(), draft() and
         catch_up() (nano_spec/proposers.py). num_drafts: γ for every step, or "auto": γ chosen per step
         (nano_spec/planner.py) up to max_drafts = 4.
         threads: torch's intra-op threads, process-wide; None: the rule of `capacity.default_threads`.
         on_step: called with a StepReport after every engine step."""
         if model is not None and not isinstance(model, (str, os.PathLike)):
-            raise ValueError(f"model: expected a checkpoint directory path, got {type(model).__name__}")
+            raise ValueError(f"model: expected a checkpoint directory path or a model id, got {type(model).__name__}")
         path = Path(model) if model is not None else shipped_weights()
         device = _device(device)
         dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
@@ -93,6 +95,8 @@ class LLM:
             raise ValueError(f"backend: 'triton' on {device.type} needs the Triton interpreter "
                              "(TRITON_INTERPRET=1 before the first import of the kernels); use backend='torch'")
         # everything that can be refused is checked before the weights are read or caches allocated
+        if hub.is_model_id(model):
+            path = hub.resolve(model)
         if not path.is_dir():
             raise ValueError(f"model: {path} is not a checkpoint directory")
         cfg = ModelConfig.from_file(path / "config.json")
