@@ -22,9 +22,13 @@ def gamma_arg(value: str):
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m nano_spec.generate", description=__doc__.split("\n")[0])
-    p.add_argument("--model", help="checkpoint directory (default: the weights shipped in weights/)")
+    p.add_argument("--model", help="checkpoint directory or Hugging Face model id, org/name, from the cache or "
+                   "downloaded (default: the weights shipped in weights/)")
     p.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     p.add_argument("--prompts-file", help="prompts, one per line, or JSONL with a 'prompt' field")
+    p.add_argument("--chat", action="store_true",
+                   help="each prompt is one user turn, rendered by the checkpoint's chat template")
+    p.add_argument("--system", metavar="TEXT", help="with --chat: a system turn before each prompt")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--num-drafts", type=gamma_arg, default="auto",
                    help="γ, drafts per step, or auto: chosen per step from measured acceptance and cost")
@@ -151,6 +155,10 @@ def run(args) -> int:
     try:
         check_threads(args.threads)
         prompts = read_prompts(args)
+        if args.system is not None and not args.chat:
+            raise ValueError("--system: only with --chat")
+        system = [] if args.system is None else [{"role": "system", "content": args.system}]
+        chats = [system + [{"role": "user", "content": p}] for p in prompts]
         params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                                 top_p=args.top_p, seed=args.seed, logprobs=args.logprobs, regex=args.regex,
                                 json_schema=None if args.json_schema is None else read_schema(args.json_schema),
@@ -162,8 +170,9 @@ def run(args) -> int:
             llm.on_step = tracer(llm.tokenizer)
         t0 = time.perf_counter()
         if len(prompts) == 1 and not (args.json or args.show_drafts):
-            stream = llm.stream(prompts[0], params)  # validates the request before anything is printed
-            print(prompts[0], end="", flush=True)
+            # validates the request before anything is printed; a chat prints the reply only
+            stream = llm.chat_stream(chats[0], params) if args.chat else llm.stream(prompts[0], params)
+            print("" if args.chat else prompts[0], end="", flush=True)
             try:
                 for piece in stream:
                     print(piece, end="", flush=True)
@@ -173,7 +182,10 @@ def run(args) -> int:
         else:
             outs = [None] * len(prompts)
             try:
-                llm.generate(prompts, params, on_finish=outs.__setitem__)
+                if args.chat:
+                    llm.chat(chats, params, on_finish=outs.__setitem__)
+                else:
+                    llm.generate(prompts, params, on_finish=outs.__setitem__)
             except KeyboardInterrupt:  # what had finished is printed as in a full run
                 done = [o for o in outs if o is not None]
                 print_outputs(args, llm, done)

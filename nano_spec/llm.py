@@ -204,12 +204,12 @@ class LLM:
         request and frees its slot. `.output` is its Output once done."""
         return Stream(self, prompt, self._prepare(prompt, params))
 
-    def chat(self, messages, params=None) -> list:
+    def chat(self, messages, params=None, on_finish=None) -> list:
         """Reply to one conversation, [{"role": ..., "content": ...}, ...], or to each of a list of them (params:
-        one SamplingParams or one per conversation). The checkpoint's chat template renders each with the
-        assistant's turn opened; its end-of-turn token stops the reply. Returns one Output per conversation,
-        its prompt the rendered text."""
-        return self.generate(self._chat_prompts(messages), params)
+        one SamplingParams or one per conversation; on_finish as for generate). The checkpoint's chat template
+        renders each with the assistant's turn opened; its end-of-turn token stops the reply. Returns one
+        Output per conversation, its prompt the rendered text."""
+        return self.generate(self._chat_prompts(messages), params, on_finish)
 
     def chat_stream(self, messages, params=None) -> "Stream":
         """The reply to one conversation as a Stream of text pieces (see stream and chat)."""
