@@ -67,6 +67,7 @@ BAD_ENGINES = {
     "max-batch": (dict(max_batch=0), "max_batch"),
     "threads-zero": (dict(threads=0), "threads"),
     "threads-float": (dict(threads=1.5), "threads"),
+    "threads-absurd": (dict(threads=100_000), "threads: 100000 must be None or an integer in [1, "),
     "num-drafts-word": (dict(num_drafts="many"), "num_drafts"),
     "max-seq-len": (dict(max_seq_len=1), "max_seq_len"),
     "backend": (dict(backend="cuda-magic"), "backend"),
