@@ -112,8 +112,8 @@ class ModelRunner:
                                             slots, na, na < gamma)
         if self.max_drafts:  # a proposer that drafts follows every step, γ = 0 ones too
             with phase("catch_up"):
-                rows = VerifiedRows(slots, seq_lens, emitted, self.cache.hidden_stash(B, K))
-                self.proposer.catch_up(seqs, rows, na)
+                verified = VerifiedRows(slots, seq_lens, emitted, self.cache.hidden_stash(B, K))
+                self.proposer.catch_up(seqs, verified, na)
         with phase("copy"):
             return self._results(logits, emitted, na, drafts, refused, seqs)
 
