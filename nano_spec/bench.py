@@ -73,6 +73,7 @@ def parse_args(argv):
     p.add_argument("--repeats", type=int, default=3, help="timed rounds; the median is reported")
     p.add_argument("--threads", type=int, help="torch threads (default: the engine's rule, see README)")
     p.add_argument("--backend", default="auto")
+    p.add_argument("--compile", action="store_true", help="the verify through torch.compile (backend torch)")
     p.add_argument("--device", default="auto")
     p.add_argument("--plot", help="write a PNG of tau and speedup vs γ and accept_at by position")
     p.add_argument("--json-schema", metavar="FILE", help="also run every configuration under this JSON schema")
@@ -104,7 +105,7 @@ class Engine:
         self.name = ("plain" if proposer == "none" else f"{proposer} γ={gamma}") + (" +schema" if schema else "")
         self.proposer, self.gamma, self.schema = proposer, gamma, schema
         self.llm = LLM(model_dir, backend=args.backend, device=args.device, max_batch=batch, num_drafts=gamma,
-                       proposer=proposer, threads=args.threads)
+                       proposer=proposer, threads=args.threads, compile=args.compile)
 
     def generate(self, ids, max_new_tokens):
         self.llm.telemetry.reset()  # the planner keeps learning across rounds, as in a server

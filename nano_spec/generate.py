@@ -39,6 +39,7 @@ def parse_args(argv):
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int)
     p.add_argument("--backend", choices=["auto", "torch", "triton"], default="auto")
+    p.add_argument("--compile", action="store_true", help="the verify through torch.compile (backend torch)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", help="float32, bfloat16 or float16 (default: the stored dtype on CUDA, float32 on CPU)")
     p.add_argument("--max-batch", type=int, default=8)
@@ -165,7 +166,7 @@ def run(args) -> int:
                                 grammar=None if args.grammar is None else read_file("--grammar", args.grammar))
         llm = LLM(args.model, backend=args.backend, device=args.device, dtype=args.dtype, max_batch=args.max_batch,
                   num_drafts=0 if args.no_spec else args.num_drafts, proposer="none" if args.no_spec else args.proposer,
-                  max_seq_len=args.max_seq_len, threads=args.threads)
+                  max_seq_len=args.max_seq_len, threads=args.threads, compile=args.compile)
         if args.trace:
             llm.on_step = tracer(llm.tokenizer)
         t0 = time.perf_counter()

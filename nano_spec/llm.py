@@ -69,14 +69,15 @@ class LLM:
     def __init__(self, model=None, backend: str = "auto", device: str = "auto", dtype=None, max_batch: int = 8,
                  num_drafts: int | str = "auto", proposer="auto", max_seq_len: int | None = None,
                  memory_budget: int | None = None, threads: int | None = None, clock=time.perf_counter,
-                 on_step=None):
+                 on_step=None, compile: bool = False):
         """model: a checkpoint directory, or a Hugging Face model id ("org/name") found in the local cache or
         downloaded (nano_spec/hub.py); a directory of that name wins. None: the shipped weights.
         proposer: "auto", "mtp", "ngram", "none", or an object with max_drafts, admit(), draft() and
         catch_up() (nano_spec/proposers.py). num_drafts: γ for every step, or "auto": γ chosen per step
         (nano_spec/planner.py) up to max_drafts = 4.
         threads: torch's intra-op threads, process-wide; None: the rule of `capacity.default_threads`.
-        on_step: called with a StepReport after every engine step."""
+        on_step: called with a StepReport after every engine step.
+        compile: run the target's verify through torch.compile (backend 'torch'; nano_spec/compiled.py)."""
         if model is not None and not isinstance(model, (str, os.PathLike)):
             raise ValueError(f"model: expected a checkpoint directory path or a model id, got {type(model).__name__}")
         path = Path(model) if model is not None else shipped_weights()
@@ -91,6 +92,10 @@ class LLM:
         if threads is not None and not is_int(threads, 1, capacity.MAX_THREADS):
             raise ValueError(f"threads: {threads!r} must be None or an integer in [1, {capacity.MAX_THREADS}]")
         backend = resolve_backend(backend, device)
+        if compile not in (True, False):
+            raise ValueError(f"compile: {compile!r} must be True or False")
+        if compile and backend != "torch":
+            raise ValueError(f"compile: needs backend='torch', not {backend!r} (the Triton kernels are not wrapped)")
         if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(f"backend: 'triton' on {device.type} needs the Triton interpreter "
                              "(TRITON_INTERPRET=1 before the first import of the kernels); use backend='torch'")
@@ -119,7 +124,7 @@ class LLM:
         self.max_seq_len = max_seq_len
         self.proposer = make_proposer(kind, max_drafts, self.model, max_batch, cache_len(max_seq_len, max_drafts))
         self.telemetry = Telemetry(max_drafts, clock)
-        self.runner = ModelRunner(self.model, self.proposer, max_batch, max_seq_len, self.telemetry)
+        self.runner = ModelRunner(self.model, self.proposer, max_batch, max_seq_len, self.telemetry, compile)
         # the prior cost of a draft, relative to a plain step: extra verify rows are far from free on a CPU
         self.planner = (DraftPlanner(max_drafts, prior_slope=0.1 if device.type == "cuda" else 0.4)
                         if num_drafts == "auto" and max_drafts else None)

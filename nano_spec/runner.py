@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from nano_spec.cache import HybridCache, SlotIds
+from nano_spec.compiled import CompiledVerify
 from nano_spec.grammar import verify_bitmask
 from nano_spec.model import HybridLM
 from nano_spec.proposers import Drafts, VerifiedRows
@@ -39,7 +40,8 @@ class RowResult:
 
 
 class ModelRunner:
-    def __init__(self, model: HybridLM, proposer, num_slots: int, max_seq_len: int, telemetry: Telemetry = None):
+    def __init__(self, model: HybridLM, proposer, num_slots: int, max_seq_len: int, telemetry: Telemetry = None,
+                 compile: bool = False):
         self.model, self.proposer = model.fuse_qkv(), proposer
         self.cfg, self.max_drafts = model.cfg, proposer.max_drafts
         self.tel = telemetry or Telemetry(self.max_drafts)
@@ -48,6 +50,7 @@ class ModelRunner:
         self.cache = HybridCache(self.cfg, num_slots, cache_len(max_seq_len, self.max_drafts), self.max_drafts + 1,
                                  self.device, self.dtype)
         self.slot_ids = SlotIds(self.device)
+        self.compiled = CompiledVerify(self.model, self.cache) if compile else None
         self.generators = [None] * num_slots
         # per-slot device copies, written at admission and advanced on the device after each accept rule,
         # so a step uploads nothing but the batch's slot ids (and those only when the batch changes)
@@ -94,7 +97,11 @@ class ModelRunner:
         with phase("verify"):
             seq_lens = self.seq_lens[slots]
             rows = torch.cat([self.last[slots, None], drafts.tokens], dim=1) if gamma else self.last[slots, None]
-            logits = self.model.verify(rows, slots, seq_lens, self.cache, max(s.seq_len for s in seqs) + K)
+            kv_len = max(s.seq_len for s in seqs) + K
+            if self.compiled is None:
+                logits, Bp = self.model.verify(rows, slots, seq_lens, self.cache, kv_len), B
+            else:
+                logits, Bp = self.compiled(rows, slots, seq_lens, kv_len)  # the stashes at the padded batch Bp
         bitmask = None
         if any(s.constraint is not None for s in seqs):  # host work only for batches with a grammar
             with phase("mask"):
@@ -108,8 +115,8 @@ class ModelRunner:
         if gamma:  # a full accept leaves the live state right; with γ = 0 every row is one
             with phase("commit"):
                 c = self.cache
-                self.model.ops.commit_state(c.ssm_state, c.conv_state, c.ssm_stash(B, K), c.conv_stash(B, K),
-                                            slots, na, na < gamma)
+                self.model.ops.commit_state(c.ssm_state, c.conv_state, c.ssm_stash(Bp, K)[:, :B],
+                                            c.conv_stash(Bp, K)[:, :B], slots, na, na < gamma)
         if self.max_drafts:  # a proposer that drafts follows every step, γ = 0 ones too
             with phase("catch_up"):
                 verified = VerifiedRows(slots, seq_lens, emitted, self.cache.hidden_stash(B, K))

@@ -1,0 +1,66 @@
+"""LLM(compile=True): the verify through torch.compile gives the eager engine's tokens.
+
+One compiled engine per proposer serves every case (its graphs are per bucket, not per request), so the
+whole file compiles the plain buckets B in {1, 2, 3} x K = 1 and the MTP ones B in {1, 2, 3} x K <= 4.
+"""
+import pytest
+import torch
+
+from helpers import tiny_checkpoint
+from nano_spec import LLM, SamplingParams
+from nano_spec.compiled import bucket
+
+PROMPTS = ["def f(x):", "for i in range(10):\n    print(i)\n", "h", "héllo wörld ✓ héllo", "x = 1\ny = 2\n" * 3]
+GREEDY = SamplingParams(max_new_tokens=16, ignore_eos=True)
+SAMPLED = SamplingParams(max_new_tokens=16, ignore_eos=True, temperature=0.9, seed=11)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory.mktemp("compiled") / "tiny", seed=5)
+
+
+def tokens(llm, prompts, params):
+    return [o.token_ids for o in llm.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("proposer, gamma", [("none", 0), ("mtp", 3)])
+def test_compiled_tokens_equal_eager(ckpt, proposer, gamma):
+    kw = dict(proposer=proposer, num_drafts=gamma, max_batch=3, backend="torch", device="cpu", max_seq_len=96)
+    eager, compiled = LLM(ckpt, **kw), LLM(ckpt, compile=True, **kw)
+    cases = [(PROMPTS[:1], GREEDY), (PROMPTS, GREEDY), (PROMPTS, SAMPLED)]  # batch 1; batch 3 with slot reuse
+    for prompts, params in cases:
+        assert tokens(compiled, prompts, params) == tokens(eager, prompts, params), (proposer, len(prompts), params)
+    assert compiled.runner.compiled is not None and eager.runner.compiled is None
+
+
+def test_buckets():
+    assert [bucket(b, 1, 6) for b in range(1, 7)] == [1, 2, 4, 4, 6, 6]
+    assert [bucket(n, 128, 300) for n in (1, 128, 129, 257)] == [128, 128, 256, 300]
+
+
+def test_compile_flag_checked(ckpt):
+    with pytest.raises(ValueError, match="compile"):
+        LLM(ckpt, compile="yes", backend="torch", device="cpu")
+
+
+def test_verify_padded_batch_writes_like_row_0(ckpt):
+    """A batch of 3 in a 4-slot engine runs padded to 4 rows: the padding repeats row 0, so the live states of
+    the 3 slots equal the eager verify's and the free slot is untouched."""
+    eager = LLM(ckpt, max_batch=4, backend="torch", device="cpu", max_seq_len=32)
+    compiled = LLM(ckpt, max_batch=4, backend="torch", device="cpu", max_seq_len=32, compile=True)
+    ids = torch.tensor([[3, 4, 5], [6, 7, 8], [9, 10, 11]])
+    slots, seq_lens = torch.tensor([2, 0, 1]), torch.tensor([0, 0, 0])
+    with torch.no_grad():
+        ref = eager.model.verify(ids, slots, seq_lens, eager.runner.cache, 3)
+        out, Bp = compiled.runner.compiled(ids, slots, seq_lens, 3)
+    assert Bp == 4
+    torch.testing.assert_close(out, ref)
+    e, c = eager.runner.cache, compiled.runner.cache
+    torch.testing.assert_close(c.ssm_state, e.ssm_state)
+    torch.testing.assert_close(c.conv_state, e.conv_state)
+    torch.testing.assert_close(c.k[:, :, :3], e.k[:, :, :3])
+    assert not c.ssm_state[:, 3].any() and not c.k[:, 3].any()
+    torch.testing.assert_close(c.ssm_stash(4, 3)[:, :3], e.ssm_stash(3, 3))
+    torch.testing.assert_close(c.conv_stash(4, 3)[:, :3], e.conv_stash(3, 3))
+    torch.testing.assert_close(c.hidden_stash(3, 3), e.hidden_stash(3, 3))
