@@ -136,6 +136,7 @@ class Grammars:
 
     def __init__(self, tokenizer_file: Path, vocab_size: int, eos_ids):
         self.file, self.V, self.eos = tokenizer_file, vocab_size, list(eos_ids)
+        self.W = (vocab_size + 31) // 32  # mask words per row
         self.tok, self.compiled = None, {}
         self.compile_seconds, self.num_compiled = 0.0, 0
 
@@ -171,7 +172,7 @@ class Grammars:
             self.compiled[key] = matcher
             self.compile_seconds += time.perf_counter() - t0
             self.num_compiled += 1
-        return Constraint(self.compiled[key].deep_copy(), (self.V + 31) // 32)
+        return Constraint(self.compiled[key].deep_copy(), self.W)
 
     def _compile(self, field: str, value) -> llguidance.LLMatcher:
         try:
@@ -192,11 +193,11 @@ class Grammars:
         finds an empty language, a dead end after the forced text, or a forced run longer than it can follow
         (x{4294967295}, start: "x" start) only there. A dead end off the forced path ends its request at run time
         with an error instead (Constraint.consume)."""
-        Constraint(m, (self.V + 31) // 32).mask()
+        Constraint(m, self.W).mask()
         if not m.is_error():
             m.consume_tokens(m.compute_ff_tokens())
             if not m.is_error():
-                Constraint(m, (self.V + 31) // 32).mask()
+                Constraint(m, self.W).mask()
         if m.is_error():
             err = one_line(m.get_error())
             what = "unsatisfiable: no text matches it" if err in DEAD_END else "refused"

@@ -127,8 +127,9 @@ class Scheduler:
         other sequences keep their place and slot and wait, unless none of focus can run (every slot is held by
         others): then all run, so that slots come free."""
         wanted = lambda s: focus is None or s.id in focus  # noqa: E731
-        while self.free_slots and any(map(wanted, self.waiting)):
-            seq = next(filter(wanted, self.waiting))
+        for seq in [s for s in self.waiting if wanted(s)]:
+            if not self.free_slots:  # an admission that ends at once frees its slot again
+                break
             self.waiting.remove(seq)
             self._admit(seq, report)
         return [s for s in self.running if wanted(s)] or ([] if report.admitted else list(self.running))

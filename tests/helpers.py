@@ -1,4 +1,5 @@
-"""One comparison helper for every test: it reports max abs and relative error."""
+"""Test helpers: one comparison (max abs and relative error), tiny models and checkpoints, launcher refusals."""
+import pytest
 import torch
 
 
@@ -13,6 +14,12 @@ def assert_close(name: str, ref: torch.Tensor, out: torch.Tensor, atol: float = 
     rel = err / max(ref_f.abs().max().item(), 1e-12)
     assert err <= atol * scale, f"{name}: max abs err {err:.3e} (rel {rel:.3e}) > {atol * scale:.3e}"
     return err
+
+
+def assert_idle(llm):
+    """Nothing queued or running, and every slot free."""
+    sched = llm.scheduler
+    assert not sched.has_work() and sorted(sched.free_slots) == list(range(llm.runner.cache.num_slots))
 
 
 def assert_unchanged(name: str, before: torch.Tensor, after: torch.Tensor):
@@ -79,3 +86,24 @@ def tiny_checkpoint(path, seed: int = 0, **overrides):
     save_model(tiny_model(seed=seed, vocab_size=max(V, 300), eos_token_id=0, **overrides), path,
                extra_files={"tokenizer.json": tok_file})
     return path
+
+
+def _spoil(t, fault: str):
+    """t wrong in one way: a row short, another dtype, a view with last-dim stride 2, or on the meta device."""
+    if fault == "shape":
+        return t[:-1]
+    if fault == "dtype":
+        return t.to(torch.int64 if t.is_floating_point() else torch.float32)
+    return torch.stack([t, t], -1)[..., 0] if fault in ("noncontig", "stride") else t.to("meta")
+
+
+SAYS = {"shape": "got shape", "dtype": "got dtype", "noncontig": "must be contiguous", "stride": "unit stride",
+        "device": "must be on"}
+
+
+def assert_refuses(kernel: str, launcher, inputs: dict, arg: str, fault: str):
+    """inputs[arg] spoiled one way (shape, dtype, noncontig, stride, device): the launcher raises a ValueError
+    naming the kernel, the argument and what is wrong."""
+    inputs = dict(inputs, **{arg: _spoil(inputs[arg], fault)})
+    with pytest.raises(ValueError, match=rf"^{kernel}: .*\b{arg}\b.*{SAYS[fault]}"):
+        launcher(**inputs)

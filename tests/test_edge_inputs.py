@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from helpers import tiny_checkpoint
+from helpers import assert_idle, tiny_checkpoint
 from nano_spec import LLM, SamplingParams
 from nano_spec import grammar as grammar_module
 
@@ -18,11 +18,6 @@ def ckpt(tmp_path_factory):
 @pytest.fixture(scope="module")
 def llm(ckpt):
     return LLM(ckpt, proposer="mtp", num_drafts=2, max_batch=2)
-
-
-def assert_idle(llm):
-    sched = llm.scheduler
-    assert not sched.has_work() and sorted(sched.free_slots) == list(range(llm.runner.cache.num_slots))
 
 
 def refused(llm, params: SamplingParams, field: str) -> str:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import tiny_checkpoint
+from helpers import assert_idle, tiny_checkpoint
 from nano_spec import LLM, SamplingParams
 
 PROMPTS = ["def f(x):", "for i in range(10):\n    print(i)\n", "h", "héllo wörld ✓", "x = 1\ny = 2\n" * 3]
@@ -30,11 +30,6 @@ def copy_ckpt(src: Path, dst: Path) -> Path:
     for f in src.iterdir():
         (dst / f.name).write_bytes(f.read_bytes())
     return dst
-
-
-def assert_idle(llm):
-    sched = llm.scheduler
-    assert not sched.has_work() and sorted(sched.free_slots) == list(range(llm.runner.cache.num_slots))
 
 
 BAD_REQUESTS = {

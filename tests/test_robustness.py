@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import tiny_checkpoint
+from helpers import assert_idle, tiny_checkpoint
 from nano_spec import LLM, SamplingParams
 from nano_spec.tokenizer import IncrementalDecoder
 
@@ -27,11 +27,6 @@ def alone(ckpt):
     """Each prompt's text generated alone."""
     llm = LLM(ckpt, proposer="mtp", num_drafts=3, max_batch=1)
     return [llm.generate(p, PARAMS)[0].text for p in PROMPTS]
-
-
-def assert_idle(llm):
-    sched = llm.scheduler
-    assert not sched.has_work() and sorted(sched.free_slots) == list(range(llm.runner.cache.num_slots))
 
 
 # ---- 1. a stream yields its whole text however the request finished ------------------------------

@@ -1,7 +1,7 @@
 """The model shapes the kernels are checked and predicted at: the shipped weights and Granite 4.0-H 350m and 1b.
 
-The Granite configs are the published field sets tests/test_real_shapes.py builds its checkpoint from (the 1b by its
-shapes: hidden 1536, 40 layers, Mamba head dim 64); only the shapes matter here, no weights are read.
+The Granite configs are the published field sets (the 1b by its shapes: hidden 1536, 40 layers, Mamba head dim 64).
+tests/test_real_shapes.py builds its checkpoint from them; here only the shapes matter, no weights are read.
 """
 from pathlib import Path
 
