@@ -12,6 +12,8 @@ The stashes are written by a verify over B sequences x K rows:
     ssm_stash      (Lm, B, K, H, P, N) fp32 state after each row
     conv_stash     (Lm, B, C, W-1+K)        the window before the step, then the K new inputs
     hidden_stash   (B, K, D)                final-normed hidden of each row (seeds the MTP)
+    tap_stash      (B, K, nT*D)             the residual after each tapped layer (a block drafter's context;
+                                            nT = 0 without one)
 
 They live in flat buffers sized for (S, max_k) and are viewed at the
 step's (B, K), so every view is contiguous. A proposer keeps its own state
@@ -22,17 +24,19 @@ import torch
 from nano_spec.config import ModelConfig
 
 
-def cache_bytes(cfg: ModelConfig, num_slots: int, max_seq_len: int, max_k: int, dtype: torch.dtype) -> dict:
+def cache_bytes(cfg: ModelConfig, num_slots: int, max_seq_len: int, max_k: int, dtype: torch.dtype,
+                taps=()) -> dict:
     """Bytes of every buffer, counted on the meta device before anything is allocated."""
-    c = HybridCache(cfg, num_slots, max_seq_len, max_k, "meta", dtype)
+    c = HybridCache(cfg, num_slots, max_seq_len, max_k, "meta", dtype, taps)
     parts = {"kv": (c.k, c.v), "conv_state": (c.conv_state,), "ssm_state": (c.ssm_state,),
-             "ssm_stash": (c._ssm_stash,), "conv_stash": (c._conv_stash,), "hidden_stash": (c._hidden_stash,)}
+             "ssm_stash": (c._ssm_stash,), "conv_stash": (c._conv_stash,), "hidden_stash": (c._hidden_stash,),
+             "tap_stash": (c._tap_stash,)}
     return {name: sum(t.numel() * t.element_size() for t in ts) for name, ts in parts.items()}
 
 
 class HybridCache:
     def __init__(self, cfg: ModelConfig, num_slots: int, max_seq_len: int, max_k: int, device="cpu",
-                 dtype=torch.float32):
+                 dtype=torch.float32, taps=()):
         self.cfg, self.num_slots, self.max_seq_len, self.max_k = cfg, num_slots, max_seq_len, max_k
         La, Lm = len(cfg.attention_layers), len(cfg.mamba_layers)
         H, P, N, C, W = cfg.mamba_n_heads, cfg.mamba_d_head, cfg.mamba_d_state, cfg.conv_dim, cfg.mamba_d_conv
@@ -46,6 +50,8 @@ class HybridCache:
         self._ssm_stash = torch.zeros(Lm * B * max_k * H * P * N, device=device, dtype=torch.float32)
         self._conv_stash = torch.zeros(Lm * B * C * (W - 1 + max_k), **kw)
         self._hidden_stash = torch.zeros(B * max_k * cfg.hidden_size, **kw)
+        self.tap_index = {layer: i for i, layer in enumerate(taps)}  # tapped layer -> its column block
+        self._tap_stash = torch.zeros(B * max_k * len(taps) * cfg.hidden_size, **kw)
         # layer index -> index into the stacked attention / Mamba tensors
         self.attn_index = {l: i for i, l in enumerate(cfg.attention_layers)}
         self.mamba_index = {l: i for i, l in enumerate(cfg.mamba_layers)}
@@ -61,6 +67,9 @@ class HybridCache:
 
     def hidden_stash(self, B: int, K: int):  # (B, K, D)
         return self._view(self._hidden_stash, (B, K, self.cfg.hidden_size), B, K)
+
+    def tap_stash(self, B: int, K: int):  # (B, K, nT*D)
+        return self._view(self._tap_stash, (B, K, len(self.tap_index) * self.cfg.hidden_size), B, K)
 
     def _view(self, flat, shape, B, K):
         if not (1 <= K <= self.max_k and 1 <= B <= self.num_slots):

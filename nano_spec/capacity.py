@@ -1,6 +1,6 @@
 """Capacity: how much the engine may allocate and how many threads it runs, decided before any allocation.
 
-    memory_parts        bytes of the weights, every cache and stash, and the proposer's state
+    memory_parts        bytes of the weights, every cache and stash, and the proposer's state (MTP or DFlash)
     check_memory        refuse settings whose parts do not fit the budget, naming the numbers
     default_max_seq_len the largest max_seq_len that fits (bisection: only the KV rows grow with it)
     default_threads     one CPU thread when a step is too small to split
@@ -11,8 +11,9 @@ import torch
 
 from nano_spec.cache import cache_bytes
 from nano_spec.config import ModelConfig
+from nano_spec.dflash import DFlashConfig, DFlashDrafter
 from nano_spec.model import HybridLM
-from nano_spec.proposers import MTPProposer
+from nano_spec.proposers import DFlashProposer, MTPProposer
 from nano_spec.runner import cache_len
 
 
@@ -27,28 +28,34 @@ def available_bytes(device: torch.device) -> int:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def weight_bytes(cfg: ModelConfig, dtype) -> int:
-    """Bytes of the model's weights in dtype, counted on the meta device (nothing is allocated)."""
+def weight_bytes(cfg: ModelConfig, dtype, drafter: DFlashConfig | None = None) -> int:
+    """Bytes of the model's weights (and a DFlash drafter's) in dtype, counted on the meta device (nothing is
+    allocated)."""
     with torch.device("meta"):
         n = sum(p.numel() for p in HybridLM(cfg).parameters())
+        n += sum(p.numel() for p in DFlashDrafter(drafter, None).parameters()) if drafter else 0
     return n * torch.tensor([], dtype=dtype).element_size()
 
 
 def memory_parts(cfg: ModelConfig, max_batch: int, max_seq_len: int, max_drafts: int, dtype, weights: int,
-                 mtp: bool = False) -> dict:
-    """Bytes of the weights, of every cache and stash, and of the MTP proposer's state when mtp
-    (nothing is allocated)."""
+                 proposer: str | DFlashConfig | None = None) -> dict:
+    """Bytes of the weights, of every cache and stash, and of the proposer's state: "mtp" (its KV rows) or a
+    DFlash drafter's config (its context K/V and the verify's tapped rows). Nothing is allocated."""
     rows = cache_len(max_seq_len, max_drafts)
-    caches = cache_bytes(cfg, max_batch, rows, max_drafts + 1, dtype)
+    dflash = proposer if isinstance(proposer, DFlashConfig) else None
+    caches = cache_bytes(cfg, max_batch, rows, max_drafts + 1, dtype, dflash.target_layer_ids if dflash else ())
     probs = max_batch * max_drafts * cfg.vocab_size * 4  # a sampled step's q (B, γ, V)
-    mtp_kv = MTPProposer.state_bytes(cfg, max_batch, rows, dtype) if mtp else 0
-    return {"weights": weights, **caches, "mtp_kv": mtp_kv, "draft_probs": probs}
+    mtp_kv = MTPProposer.state_bytes(cfg, max_batch, rows, dtype) if proposer == "mtp" else 0
+    dflash_kv = DFlashProposer.state_bytes(dflash, max_batch, rows, dtype) if dflash else 0
+    return {"weights": weights, **caches, "mtp_kv": mtp_kv, "dflash_kv": dflash_kv, "draft_probs": probs}
 
 
 def check_memory(cfg: ModelConfig, max_batch: int, max_seq_len: int, max_drafts: int, dtype, budget: int,
-                 mtp: bool = False) -> int:
+                 proposer: str | DFlashConfig | None = None) -> int:
     """Refuse, before allocating anything, weights, caches and stashes that do not fit in the budget."""
-    parts = memory_parts(cfg, max_batch, max_seq_len, max_drafts, dtype, weight_bytes(cfg, dtype), mtp)
+    drafter = proposer if isinstance(proposer, DFlashConfig) else None
+    parts = memory_parts(cfg, max_batch, max_seq_len, max_drafts, dtype, weight_bytes(cfg, dtype, drafter),
+                         proposer)
     need = sum(parts.values())
     if need > budget:
         detail = ", ".join(f"{k} {_size(v)}" for k, v in parts.items() if v)
@@ -59,15 +66,15 @@ def check_memory(cfg: ModelConfig, max_batch: int, max_seq_len: int, max_drafts:
 
 
 def default_max_seq_len(cfg: ModelConfig, max_batch: int, max_drafts: int, dtype, budget: int,
-                        mtp: bool = False) -> int:
+                        proposer: str | DFlashConfig | None = None) -> int:
     """The largest max_seq_len, at most max_position_embeddings, whose weights and caches fit.
 
     Only the KV caches grow with it, so the need is monotonic and a bisection finds it. When not
     even 2 fits it returns 2, which check_memory refuses with the numbers (max_batch is too big)."""
-    weights = weight_bytes(cfg, dtype)
+    weights = weight_bytes(cfg, dtype, proposer if isinstance(proposer, DFlashConfig) else None)
 
     def fits(n: int) -> bool:
-        return sum(memory_parts(cfg, max_batch, n, max_drafts, dtype, weights, mtp).values()) <= budget
+        return sum(memory_parts(cfg, max_batch, n, max_drafts, dtype, weights, proposer).values()) <= budget
 
     lo, hi = 2, max(2, cfg.max_position_embeddings)
     while lo < hi:  # lo is 2 or fits, everything above hi does not fit

@@ -11,6 +11,7 @@ import torch
 from nano_spec import capacity, hub
 from nano_spec.chat import ChatTemplate, conversations
 from nano_spec.config import ModelConfig, is_int
+from nano_spec.dflash import DFlashConfig, load_drafter
 from nano_spec.grammar import Grammars
 from nano_spec.ops import resolve_backend
 from nano_spec.planner import DraftPlanner
@@ -23,6 +24,7 @@ from nano_spec.tokenizer import Tokenizer
 from nano_spec.weights import load_model, stored_dtype
 
 WEIGHTS_DIR = Path(__file__).resolve().parent.parent / "weights"
+DRAFTER_DIR = "dflash"  # a checkpoint's DFlash drafter, when it ships one
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 
@@ -69,12 +71,13 @@ class LLM:
     def __init__(self, model=None, backend: str = "auto", device: str = "auto", dtype=None, max_batch: int = 8,
                  num_drafts: int | str = "auto", proposer="auto", max_seq_len: int | None = None,
                  memory_budget: int | None = None, threads: int | None = None, clock=time.perf_counter,
-                 on_step=None, compile: bool = False):
+                 on_step=None, compile: bool = False, drafter=None):
         """model: a checkpoint directory, or a Hugging Face model id ("org/name") found in the local cache or
         downloaded (nano_spec/hub.py); a directory of that name wins. None: the shipped weights.
-        proposer: "auto", "mtp", "ngram", "none", or an object with max_drafts, admit(), draft() and
+        proposer: "auto", "mtp", "dflash", "ngram", "none", or an object with max_drafts, admit(), draft() and
         catch_up() (nano_spec/proposers.py). num_drafts: γ for every step, or "auto": γ chosen per step
-        (nano_spec/planner.py) up to max_drafts = 4.
+        (nano_spec/planner.py) up to max_drafts = 4 (a DFlash block's Bk - 1).
+        drafter: the DFlash drafter directory for proposer="dflash"; None: <checkpoint>/dflash/.
         threads: torch's intra-op threads, process-wide; None: the rule of `capacity.default_threads`.
         on_step: called with a StepReport after every engine step.
         compile: run the target's verify through torch.compile (backend 'torch'; nano_spec/compiled.py)."""
@@ -108,21 +111,33 @@ class LLM:
         self.tokenizer = Tokenizer(path, cfg)
         self.chat_template = ChatTemplate(path)
         self.grammars = Grammars(path / "tokenizer.json", cfg.vocab_size, self.tokenizer.eos_ids)
-        kind, max_drafts = resolve_proposer(proposer, num_drafts, cfg.has_mtp)
+        if drafter is not None and proposer != "dflash":
+            raise ValueError(f"drafter: is read only with proposer='dflash', not {proposer!r}")
+        drafter = Path(drafter) if drafter is not None else path / DRAFTER_DIR
+        dflash = None
+        if proposer == "dflash":
+            if not (drafter / "config.json").is_file():
+                raise ValueError(f"drafter: no DFlash drafter at {drafter} (a directory with config.json and "
+                                 "model.safetensors; scripts/train_dflash.py trains one)")
+            dflash = DFlashConfig.from_file(drafter / "config.json")
+            dflash.check(cfg)
+        kind, max_drafts = resolve_proposer(proposer, num_drafts, cfg.has_mtp, dflash and dflash.block_size)
         if dtype is None:  # CUDA: the stored dtype (bf16 for hub checkpoints); CPU: fp32, see README
             dtype = stored_dtype(path) if device.type == "cuda" else torch.float32
         if max_seq_len is not None and not is_int(max_seq_len, 2):
             raise ValueError(f"max_seq_len: {max_seq_len!r} must be an integer >= 2")
         budget = int(0.9 * capacity.available_bytes(device)) if memory_budget is None else memory_budget
-        mtp = kind == "mtp"
+        state = dflash if kind == "dflash" else kind  # the proposer state capacity counts
         if max_seq_len is None:  # the largest that fits; only an explicit request is refused
-            max_seq_len = capacity.default_max_seq_len(cfg, max_batch, max_drafts, dtype, budget, mtp)
-        self.cache_bytes = capacity.check_memory(cfg, max_batch, max_seq_len, max_drafts, dtype, budget, mtp)
+            max_seq_len = capacity.default_max_seq_len(cfg, max_batch, max_drafts, dtype, budget, state)
+        self.cache_bytes = capacity.check_memory(cfg, max_batch, max_seq_len, max_drafts, dtype, budget, state)
         self.memory_budget = budget
         self.model = load_model(path, device=device, dtype=dtype, backend=backend)
+        block_drafter = load_drafter(drafter, cfg, self.model.ops, device, dtype) if kind == "dflash" else None
         torch.set_num_threads(threads or capacity.default_threads(self.model, max_batch, device))
         self.max_seq_len = max_seq_len
-        self.proposer = make_proposer(kind, max_drafts, self.model, max_batch, cache_len(max_seq_len, max_drafts))
+        self.proposer = make_proposer(kind, max_drafts, self.model, max_batch, cache_len(max_seq_len, max_drafts),
+                                      block_drafter)
         self.telemetry = Telemetry(max_drafts, clock)
         self.runner = ModelRunner(self.model, self.proposer, max_batch, max_seq_len, self.telemetry, compile)
         # the prior cost of a draft, relative to a plain step: extra verify rows are far from free on a CPU

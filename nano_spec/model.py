@@ -163,8 +163,9 @@ class HybridLM(nn.Module):
         w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(y, w) / self.cfg.logits_scaling
 
-    def _stack(self, h, layers, final_norm: Norm | None, mix):
-        """Run decoder layers over the residual stream h (..., D); mix(i, layer, y) is the mixer.
+    def _stack(self, h, layers, final_norm: Norm | None, mix, tap=None):
+        """Run decoder layers over the residual stream h (..., D); mix(i, layer, y) is the mixer, and
+        tap(i, h), if given, sees the residual after layer i (a block drafter's context, DESIGN §13).
 
         Each RMSNorm is fused with the residual add before it. Returns the final-normed y, or with
         final_norm None the residual h after the last layer (what the MTP head's callers want).
@@ -178,7 +179,18 @@ class HybridLM(nn.Module):
             if nxt is None:
                 return h + rm * layer.shared_mlp(y)  # the residual add rmsnorm would do, no norm
             y, h = self.ops.rmsnorm(layer.shared_mlp(y), nxt.weight, eps, residual=h, multiplier=rm)
+            if tap is not None:
+                tap(i, h)
         return y
+
+    def _tapper(self, index: dict, out):
+        """tap(i, h) for _stack: the residual after layer i into column block index[i] of out (..., nT*D)."""
+        D = self.cfg.hidden_size
+
+        def tap(i, h):
+            if i in index:
+                out[..., index[i] * D : (index[i] + 1) * D] = h
+        return tap if index else None
 
     def _mamba_out(self, m: Mamba, y, z):
         """y (..., H, P) from the scan, z (..., d_in) -> out_proj(norm(y * silu(z)))."""
@@ -206,8 +218,9 @@ class HybridLM(nn.Module):
         """ids (B, T) -> logits (B, T, V)."""
         return self.logits(self.hidden(ids))
 
-    def hidden(self, ids):
-        """ids (B, T) -> final-normed hidden (B, T, D), no cache (also the training forward)."""
+    def hidden(self, ids, taps=(), taps_out=None):
+        """ids (B, T) -> final-normed hidden (B, T, D), no cache (also the training forward).
+        taps_out (B, T, nT*D), if given, receives the residual after each layer in taps (a drafter's context)."""
         B, T = ids.shape
         pos = torch.arange(T, device=ids.device)
 
@@ -218,7 +231,8 @@ class HybridLM(nn.Module):
                 return self._mamba_out(layer.mamba, ys, z)
             return self._attend_nocache(layer.self_attn, y, pos)
 
-        return self._stack(self.embed(ids), self.model.layers, self.model.norm, mix)
+        tap = None if taps_out is None else self._tapper({layer: i for i, layer in enumerate(taps)}, taps_out)
+        return self._stack(self.embed(ids), self.model.layers, self.model.norm, mix, tap)
 
     def _attend_nocache(self, attn: Attention, y, pos):
         """Causal attention over y (B, T, D) with torch's SDPA: an oracle independent of the kernels."""
@@ -230,8 +244,9 @@ class HybridLM(nn.Module):
         return attn.o_proj(o.transpose(1, 2).flatten(2))
 
     # ---- 2. prefill of one prompt into a slot ------------------------------------------------
-    def prefill(self, ids, slot: int, cache: HybridCache):
-        """ids (T,) from zero state into cache slot `slot` -> final-normed hidden (T, D)."""
+    def prefill(self, ids, slot: int, cache: HybridCache, taps_out=None):
+        """ids (T,) from zero state into cache slot `slot` -> final-normed hidden (T, D).
+        taps_out (T, nT*D), if given, receives the rows of the layers in cache.tap_index."""
         def mix(i, layer, y):  # y (T, D)
             if layer.kind == "mamba":
                 m = cache.mamba_index[i]
@@ -243,14 +258,15 @@ class HybridLM(nn.Module):
             a = cache.attn_index[i]
             return self._attend(layer.self_attn, y, cache.k[a], cache.v[a], slot)
 
-        return self._stack(self.embed(ids), self.model.layers, self.model.norm, mix)
+        tap = None if taps_out is None else self._tapper(cache.tap_index, taps_out)
+        return self._stack(self.embed(ids), self.model.layers, self.model.norm, mix, tap)
 
     # ---- 3. verify: B slots x K rows -----------------------------------------------------------
     def verify(self, ids, slot_ids, seq_lens, cache: HybridCache, kv_len: int | None = None):
         """ids (B, K) at positions seq_lens[b] + j of slots slot_ids (B,) -> logits (B, K, V).
 
-        Advances every Mamba layer's live state through all K rows and writes ssm_stash, conv_stash
-        and hidden_stash (docs/DESIGN.md §3). kv_len, if given, bounds the KV rows read (>= max(seq_lens) + K).
+        Advances every Mamba layer's live state through all K rows and writes ssm_stash, conv_stash,
+        hidden_stash and, for a block drafter, tap_stash (docs/DESIGN.md §3). kv_len, if given, bounds the KV rows read (>= max(seq_lens) + K).
         """
         B, K = ids.shape
         ssm_stash, conv_stash = cache.ssm_stash(B, K), cache.conv_stash(B, K)
@@ -267,7 +283,8 @@ class HybridLM(nn.Module):
             a = cache.attn_index[i]
             return self._attend(layer.self_attn, y, cache.k[a, :, kv], cache.v[a, :, kv], slot_ids, seq_lens)
 
-        y = self._stack(self.embed(ids), self.model.layers, self.model.norm, mix)
+        tap = self._tapper(cache.tap_index, cache.tap_stash(B, K))
+        y = self._stack(self.embed(ids), self.model.layers, self.model.norm, mix, tap)
         cache.hidden_stash(B, K).copy_(y)
         return self.logits(y)
 

@@ -23,6 +23,10 @@ from the model's logits or the sequence's own tokens).
         last n tokens (n = max_n .. 1); works with any checkpoint.
 `mtp`   the checkpoint's MTP head (DESIGN §2): catch-up over the verified rows; the
         output at the last accepted row gives draft 1, γ-1 recursive steps the rest.
+`dflash` a block drafter (dflash.py, DESIGN §13): one forward over [last token, MASK...]
+        reading the target's tapped layers drafts a whole block; the verify takes γ of it.
+        It asks the runner for those layers' rows: `taps`, a list of layer indices, makes
+        admit and catch_up receive them (admit(..., taps=(T, nT*D)), VerifiedRows.taps).
 """
 from dataclasses import dataclass
 
@@ -30,6 +34,7 @@ import torch
 
 from nano_spec.cache import SlotIds
 from nano_spec.config import is_int
+from nano_spec.dflash import DFlashConfig, DFlashDrafter
 from nano_spec.grammar import DraftMasks
 from nano_spec.sampling import BatchSampling, SamplingParams
 
@@ -56,6 +61,7 @@ class VerifiedRows:
     seq_lens: torch.Tensor  # (B,) tokens in the caches before the step
     tokens: torch.Tensor    # (B, K) the token emitted after each row (valid for j <= na)
     hidden: torch.Tensor    # (B, K, D) final-normed hidden of each row
+    taps: torch.Tensor | None = None  # (B, K, nT*D) the residual after each layer in proposer.taps, if any
 
 
 def ngram_lookup(tokens: list, gamma: int, max_n: int = 3) -> list:
@@ -175,16 +181,94 @@ class MTPProposer:
         return Drafts(torch.stack(tokens, dim=1), nd, None if sampling.all_greedy else torch.stack(probs, dim=1))
 
 
+class DFlashProposer:
+    """Drafts with a DFlashDrafter. Its state per slot: the context K/V of every drafter layer at the
+    committed positions, the last emitted token (the block's row 0) and the context length."""
+    trusted = True
+
+    def __init__(self, drafter: DFlashDrafter, target, max_drafts: int, num_slots: int, max_len: int):
+        cfg, p = drafter.cfg, next(target.parameters())
+        if not 1 <= max_drafts <= cfg.block_size - 1:
+            raise ValueError(f"num_drafts: {max_drafts} drafts need a block of {max_drafts + 1}; this drafter's "
+                             f"block_size is {cfg.block_size} (at most {cfg.block_size - 1} drafts)")
+        self.drafter, self.target, self.max_drafts = drafter, target, max_drafts
+        self.taps = list(cfg.target_layer_ids)  # the runner stashes these layers' rows for catch_up
+        shape = (cfg.num_hidden_layers, num_slots, max_len, cfg.num_key_value_heads, cfg.head_dim)
+        self.k = torch.zeros(shape, device=p.device, dtype=p.dtype)  # (Ld, S, L, Hkv, Dh), RoPE-rotated
+        self.v = torch.zeros_like(self.k)
+        self.last = torch.zeros(num_slots, dtype=torch.long, device=p.device)     # (S,) the block's row 0
+        self.ctx_len = torch.zeros(num_slots, dtype=torch.long, device=p.device)  # (S,) context rows stored
+        self.sampling = BatchSampling.of([SamplingParams()] * num_slots, p.device)
+        self.slot_ids = SlotIds(p.device)
+        self.mask_row = torch.full((cfg.block_size - 1,), cfg.mask_token_id, dtype=torch.long, device=p.device)
+
+    @staticmethod
+    def state_bytes(cfg: DFlashConfig, num_slots: int, max_len: int, dtype) -> int:
+        """Bytes of the context K/V, before anything is allocated."""
+        return 2 * cfg.num_hidden_layers * num_slots * max_len * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
+
+    def _store(self, slots, taps, positions):
+        """Context K/V of rows taps (B, T, nT*D) at positions (B, T) into slots (B,)."""
+        c = self.drafter.context(taps)
+        for i in range(len(self.drafter.layers)):
+            k, v = self.drafter.context_kv(i, c, positions)
+            self.k[i, slots[:, None], positions], self.v[i, slots[:, None], positions] = k, v
+
+    def admit(self, seq, hidden, first, taps):
+        """The bootstrap: every prompt row's context K/V, so the first block already sees the whole prompt."""
+        T = taps.shape[0]
+        slot = torch.tensor([seq.slot], device=taps.device)
+        self._store(slot, taps[None], torch.arange(T, device=taps.device)[None])
+        self.last[seq.slot], self.ctx_len[seq.slot] = first[0], T
+        self.sampling.write(seq.slot, BatchSampling.of([seq.params], taps.device))
+
+    def catch_up(self, seqs, rows, na):
+        """Context K/V of the verified rows at positions seq_len + j; rows past na lie beyond the new context
+        length and are overwritten later. The block's row 0 becomes the token emitted after row na."""
+        K = rows.tokens.shape[1]
+        self._store(rows.slots, rows.taps, rows.seq_lens[:, None] + torch.arange(K, device=na.device))
+        self.last[rows.slots] = rows.tokens.gather(1, na[:, None])[:, 0]
+        self.ctx_len[rows.slots] = rows.seq_lens + na + 1
+
+    def draft(self, seqs, gamma, uniforms):
+        """One block forward; rows 1 .. γ are the drafts (the rest of the block is dropped). A constrained row
+        picks draft j under its grammar's mask after drafts[:j], from the same forward's logits."""
+        slots = self.slot_ids(seqs)
+        B, cfg = len(seqs), self.drafter.cfg
+        ids = torch.cat([self.last[slots, None], self.mask_row.expand(B, -1)], dim=1)  # (B, Bk)
+        x = self.target.model.embed_tokens(ids) * cfg.input_embedding_scale
+        kv_len = max(s.seq_len for s in seqs)  # context rows read: the longest context
+        h = self.drafter.draft_hidden(x, slots, self.ctx_len[slots], self.k[:, :, :kv_len], self.v[:, :, :kv_len])
+        logits = self.target.logits(h[:, 1 : gamma + 1]) * (cfg.output_multiplier * self.target.cfg.logits_scaling)
+        sampling = self.sampling.select(slots, all(s.params.greedy for s in seqs))
+        masks = DraftMasks([s.constraint for s in seqs], gamma, slots.device)
+        tokens, probs = [], []
+        try:
+            for j in range(gamma):
+                tok, q = sampling.pick(logits[:, j], None if uniforms is None else uniforms[:, j], masks.mask())
+                tokens.append(tok)
+                probs.append(q)
+                if j + 1 < gamma:
+                    masks.push(tok, j)
+        finally:
+            masks.close()
+        nd = torch.tensor(masks.num, device=slots.device) if masks.on else torch.full_like(slots, gamma)
+        return Drafts(torch.stack(tokens, dim=1), nd, None if sampling.all_greedy else torch.stack(probs, dim=1))
+
+
 AUTO_MAX_DRAFTS = 4  # γ_max under num_drafts="auto"; each extra draft also costs stash memory per slot
 METHODS = ("admit", "draft", "catch_up")
+NAMES = ("auto", "mtp", "dflash", "ngram", "none")
 
 
-def resolve_proposer(proposer, num_drafts, has_mtp: bool) -> tuple:
-    """Check the settings before anything is loaded -> (a name in {mtp, ngram, none} or the caller's object, γ_max).
+def resolve_proposer(proposer, num_drafts, has_mtp: bool, block_size: int | None = None) -> tuple:
+    """Check the settings before anything is loaded -> (a name in {mtp, dflash, ngram, none} or the caller's
+    object, γ_max).
 
-    proposer: a name in {auto, mtp, ngram, none} (auto = mtp when the checkpoint has an MTP head, else ngram),
-    or an object with max_drafts and the methods of the module docstring.
-    num_drafts: γ, or "auto" (γ_max = AUTO_MAX_DRAFTS; the planner picks γ per step)."""
+    proposer: a name in {auto, mtp, dflash, ngram, none} (auto = mtp when the checkpoint has an MTP head, else
+    ngram), or an object with max_drafts and the methods of the module docstring.
+    num_drafts: γ, or "auto" (γ_max = AUTO_MAX_DRAFTS, or a DFlash block's Bk - 1; the planner picks γ per step).
+    block_size: the DFlash drafter's Bk, when one was found."""
     if not isinstance(proposer, str):
         n = getattr(proposer, "max_drafts", None)
         if not is_int(n, 0, 16):
@@ -194,10 +278,10 @@ def resolve_proposer(proposer, num_drafts, has_mtp: bool) -> tuple:
             raise ValueError(f"proposer: {type(proposer).__name__} needs methods {', '.join(METHODS)}; "
                              f"missing {', '.join(missing)}")
         return proposer, n
-    if proposer not in ("auto", "mtp", "ngram", "none"):
-        raise ValueError(f"proposer: {proposer!r} is not one of auto, mtp, ngram, none")
+    if proposer not in NAMES:
+        raise ValueError(f"proposer: {proposer!r} is not one of {', '.join(NAMES)}")
     if num_drafts == "auto":
-        num_drafts = AUTO_MAX_DRAFTS
+        num_drafts = min(block_size - 1, 16) if proposer == "dflash" and block_size else AUTO_MAX_DRAFTS
     if not is_int(num_drafts, 0, 16):
         raise ValueError(f"num_drafts: {num_drafts!r} must be 'auto' or an integer in [0, 16]")
     if proposer == "none" or num_drafts == 0:
@@ -207,13 +291,21 @@ def resolve_proposer(proposer, num_drafts, has_mtp: bool) -> tuple:
     if proposer == "mtp" and not has_mtp:
         raise ValueError("proposer: 'mtp' needs a checkpoint with an MTP head (num_nextn_predict_layers: 1); "
                          "use 'ngram'")
+    if proposer == "dflash" and block_size is None:
+        raise ValueError("proposer: 'dflash' needs a drafter: <checkpoint>/dflash/ or drafter=<directory> "
+                         "(scripts/train_dflash.py trains one)")
+    if proposer == "dflash" and num_drafts > block_size - 1:
+        raise ValueError(f"num_drafts: {num_drafts} exceeds what one block drafts: the drafter's block_size is "
+                         f"{block_size}, so at most {block_size - 1}")
     return proposer, num_drafts
 
 
-def make_proposer(kind, max_drafts: int, model, num_slots: int, max_len: int):
+def make_proposer(kind, max_drafts: int, model, num_slots: int, max_len: int, drafter: DFlashDrafter = None):
     """The proposer `resolve_proposer` chose, built for a loaded model (an object is used as it is)."""
     if not isinstance(kind, str):
         return kind
     if kind == "mtp":
         return MTPProposer(model, max_drafts, num_slots, max_len)
+    if kind == "dflash":
+        return DFlashProposer(drafter, model, max_drafts, num_slots, max_len)
     return NgramProposer(max_drafts, next(model.parameters()).device) if kind == "ngram" else NoProposer()

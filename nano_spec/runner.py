@@ -47,8 +47,9 @@ class ModelRunner:
         self.tel = telemetry or Telemetry(self.max_drafts)
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
+        self.taps = list(getattr(proposer, "taps", ()))  # layers whose rows the proposer reads (a block drafter)
         self.cache = HybridCache(self.cfg, num_slots, cache_len(max_seq_len, self.max_drafts), self.max_drafts + 1,
-                                 self.device, self.dtype)
+                                 self.device, self.dtype, self.taps)
         self.slot_ids = SlotIds(self.device)
         self.compiled = CompiledVerify(self.model, self.cache) if compile else None
         self.generators = [None] * num_slots
@@ -68,7 +69,10 @@ class ModelRunner:
             self.cache.reset_slot(seq.slot)
             seed = seq.params.seed if seq.params.seed is not None else int(torch.randint(2**62, ()))
             self.generators[seq.slot] = torch.Generator(device=self.device).manual_seed(seed)
-            hidden = self.model.prefill(torch.tensor(seq.tokens, device=self.device), seq.slot, self.cache)  # (T, D)
+            ids = torch.tensor(seq.tokens, device=self.device)
+            taps = ids.new_empty(len(ids), len(self.taps) * self.cfg.hidden_size, dtype=self.dtype) if self.taps \
+                else None  # (T, nT*D)
+            hidden = self.model.prefill(ids, seq.slot, self.cache, taps)  # (T, D)
             logits = self.model.logits(hidden[-1:])  # (1, V)
             sampling = BatchSampling.of([seq.params], self.device)
             self.sampling.write(seq.slot, sampling)
@@ -77,7 +81,7 @@ class ModelRunner:
             self.seq_lens[seq.slot], self.last[seq.slot] = len(seq.tokens), first[0]
         if self.max_drafts:
             with self.tel.phase("catch_up"):
-                self.proposer.admit(seq, hidden, first)
+                self.proposer.admit(seq, hidden, first, **({"taps": taps} if self.taps else {}))
         none, refused = self._no_drafts(1)
         return self._results(logits[:, None], first[:, None], none.nd, none, refused, [seq])[0]
 
@@ -119,7 +123,8 @@ class ModelRunner:
                                             c.conv_stash(Bp, K)[:, :B], slots, na, na < gamma)
         if self.max_drafts:  # a proposer that drafts follows every step, γ = 0 ones too
             with phase("catch_up"):
-                verified = VerifiedRows(slots, seq_lens, emitted, self.cache.hidden_stash(B, K))
+                verified = VerifiedRows(slots, seq_lens, emitted, self.cache.hidden_stash(B, K),
+                                        self.cache.tap_stash(B, K) if self.taps else None)
                 self.proposer.catch_up(seqs, verified, na)
         with phase("copy"):
             return self._results(logits, emitted, na, drafts, refused, seqs)

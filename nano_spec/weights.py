@@ -101,9 +101,15 @@ def load_model(path, device="cpu", dtype=torch.float32, backend: str = "torch") 
     stored = tensor_index(path)
     with torch.device("meta"):
         model = HybridLM(cfg, Ops(backend))
-    expected = {n: tuple(p.shape) for n, p in model.state_dict().items()}
     if cfg.tie_word_embeddings:
         stored.pop("lm_head.weight", None)  # some writers store the tied head too; it is the embedding
+    return load_tensors(model, path, stored, device, dtype)
+
+
+def load_tensors(module, path: Path, stored: dict, device, dtype):
+    """Fill a module built on the meta device from the tensors of tensor_index(path), strictly: every
+    parameter exactly once with its shape, nothing else."""
+    expected = {n: tuple(p.shape) for n, p in module.state_dict().items()}
     problems = {
         "missing": set(expected) - set(stored),
         "unexpected": set(stored) - set(expected),
@@ -115,16 +121,17 @@ def load_model(path, device="cpu", dtype=torch.float32, backend: str = "torch") 
     if any(problems.values()):
         raise CheckpointError(f"{path}: tensors do not match config.json; " + "; ".join(
             f"{label}: {', '.join(sorted(names))}" for label, names in problems.items() if names))
-    model = model.to(dtype).to_empty(device=device)  # uninitialised: every parameter is written below
-    params = dict(model.named_parameters())
+    module = module.to(dtype).to_empty(device=device)  # uninitialised: every parameter is written below
+    params = dict(module.named_parameters())
     with torch.no_grad():
         for name, (shard, _, _) in stored.items():
             params[name].copy_(_use(shard, lambda f: f.get_tensor(name)))  # dtype and device in one
-    return model.eval()
+    return module.eval()
 
 
-def save_model(model: HybridLM, path, extra_files: dict | None = None):
-    """Write config.json + model.safetensors (+ extra files, name -> source path) atomically."""
+def save_model(model, path, extra_files: dict | None = None):
+    """Write config.json (model.cfg.to_dict()) + model.safetensors (+ extra files, name -> source path)
+    atomically: a HybridLM, or a drafter (nano_spec/dflash.py)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))

@@ -1,0 +1,258 @@
+"""The DFlash block drafter: one forward drafts a whole block (docs/DESIGN.md §13).
+
+The drafter is a few Qwen3-style decoder layers with no embedding or head of its own: it reads the
+target's embedding and head, frozen. Its context is the target's residual stream after a few layers
+(the taps, `target_layer_ids`), concatenated and projected: c = hidden_norm(fc([h_l1 | h_l2 | ...])).
+
+Shapes:
+    B   sequences        Bk  block size (rows of one draft forward)     Ld  drafter layers
+    D   hidden size      nT  taps (target layers read)                  Tc  context rows
+    Hq, Hkv, Dh          the drafter's attention heads and head dim     V   the target's vocabulary
+
+One draft forward, for a sequence whose context holds positions 0 .. Tc-1:
+    1. block  x = embed([last token, MASK x (Bk-1)]) * input_embedding_scale     at positions Tc .. Tc+Bk-1
+    2. every layer:  y = RMSNorm_in(x)
+                     q = RoPE(q_norm(q_proj(y)))                                   queries: block rows only
+                     k = RoPE(k_norm(k_proj([c ; y]))),  v = v_proj([c ; y])       keys: context, then block
+                     x += o_proj(softmax(q kᵀ / sqrt(Dh)) v)                       non-causal: the block sees itself
+                     x += MLP(RMSNorm_post(x))                                     SwiGLU
+    3. logits = head(RMSNorm_final(x)) * output_multiplier; rows 1 .. Bk-1 are the drafts
+
+The context's keys and values depend only on the committed rows, so the engine stores them once per
+row (proposers.DFlashProposer); the block's are recomputed by every draft and never stored.
+
+Stored as the reference implementation stores it (its `DFlashDraftModel`): a Qwen3 config.json whose
+`dflash_config` holds target_layer_ids, block_size and mask_token_id (and the two scales), plus
+model.safetensors with the reference's weight names.
+"""
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from nano_spec.config import ModelConfig, is_int
+from nano_spec.weights import load_tensors, tensor_index
+from nano_spec_kernels.common import apply_rope_ref
+
+
+def default_taps(num_target_layers: int, num_layers: int) -> list:
+    """One tap per drafter layer, spread evenly over layers 1 .. L-3 (the middle one for a single layer):
+    early layers carry the tokens, late ones the prediction. A target too shallow for that spreads them over
+    every layer instead, and has at most one tap per layer."""
+    L, n = num_target_layers, min(num_layers, num_target_layers)
+    if n == 1:
+        return [L // 2]
+    spread = lambda lo, hi: [round(lo + i * (hi - lo) / (n - 1)) for i in range(n)]  # noqa: E731
+    taps = spread(1, L - 3)
+    return taps if len(set(taps)) == n and L > 3 else spread(0, L - 1)
+
+
+@dataclass
+class DFlashConfig:
+    hidden_size: int                  # D, the target's
+    num_hidden_layers: int            # Ld
+    num_attention_heads: int          # Hq
+    num_key_value_heads: int          # Hkv
+    head_dim: int                     # Dh
+    intermediate_size: int            # SwiGLU width
+    vocab_size: int                   # V, the target's: its embedding and head are used
+    num_target_layers: int            # the target's layer count (taps index it)
+    target_layer_ids: list = field(default_factory=list)  # the taps, in order
+    block_size: int = 8               # Bk: one forward drafts Bk - 1 tokens
+    mask_token_id: int = 0            # the id of the Bk - 1 placeholder rows
+    input_embedding_scale: float = 1.0  # the target's embedding_multiplier
+    output_multiplier: float = 1.0    # 1 / the target's logits_scaling
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10_000.0
+    max_position_embeddings: int = 2048
+
+    @classmethod
+    def for_target(cls, cfg: ModelConfig, num_layers: int = 1, block_size: int = 8, taps=None,
+                   mask_token_id: int | None = None) -> "DFlashConfig":
+        """A drafter shaped like the target's attention and MLP. The mask token defaults to EOS: a vocabulary
+        whose only special token is <|endoftext|> has no unused id, and EOS never sits inside a block (a
+        sequence ends at it), so the placeholder cannot be mistaken for a real draft position's token."""
+        eos = cfg.eos_token_id[0] if isinstance(cfg.eos_token_id, list) else cfg.eos_token_id
+        return cls(hidden_size=cfg.hidden_size, num_hidden_layers=num_layers,
+                   num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
+                   head_dim=cfg.head_dim, intermediate_size=cfg.shared_intermediate_size, vocab_size=cfg.vocab_size,
+                   num_target_layers=cfg.num_hidden_layers,
+                   target_layer_ids=list(taps) if taps else default_taps(cfg.num_hidden_layers, num_layers),
+                   block_size=block_size, mask_token_id=eos if mask_token_id is None else mask_token_id,
+                   input_embedding_scale=cfg.embedding_multiplier, output_multiplier=1.0 / cfg.logits_scaling,
+                   rms_norm_eps=cfg.rms_norm_eps, max_position_embeddings=cfg.max_position_embeddings)
+
+    DRAFT_FIELDS = ("target_layer_ids", "block_size", "mask_token_id", "input_embedding_scale", "output_multiplier")
+
+    def to_dict(self) -> dict:
+        """The reference's config.json: Qwen3 fields, and dflash_config."""
+        d = asdict(self)
+        draft = {k: d.pop(k) for k in self.DRAFT_FIELDS}
+        return dict(architectures=["DFlashDraftModel"], model_type="qwen3", **d, attention_bias=False,
+                    attention_dropout=0.0, hidden_act="silu", tie_word_embeddings=False,
+                    rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta}, dflash_config=draft)
+
+    @classmethod
+    def from_file(cls, path: Path) -> "DFlashConfig":
+        try:
+            d = json.loads(Path(path).read_text(encoding="utf-8"))
+            draft = d["dflash_config"]
+            rope = (d.get("rope_parameters") or {}).get("rope_theta", d.get("rope_theta", 10_000.0))
+            names = [f for f in cls.__dataclass_fields__ if f not in cls.DRAFT_FIELDS and f != "rope_theta"]
+            return cls(**{f: d[f] for f in names if f in d}, **{f: draft[f] for f in cls.DRAFT_FIELDS if f in draft},
+                       rope_theta=rope)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"drafter: cannot read {path}: {e}") from None
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"drafter: {path} is not a DFlash config (needs Qwen3 fields and dflash_config): "
+                             f"{e!r}") from None
+
+    def check(self, target: ModelConfig):
+        """Refuse a drafter that does not fit the target, naming the field."""
+        L = target.num_hidden_layers
+        problems = [
+            (self.hidden_size == target.hidden_size, f"hidden_size {self.hidden_size} != the target's {target.hidden_size}"),
+            (self.vocab_size == target.vocab_size, f"vocab_size {self.vocab_size} != the target's {target.vocab_size}"),
+            (is_int(self.block_size, 2, 64), f"block_size {self.block_size!r} must be an integer in [2, 64]"),
+            (is_int(self.mask_token_id, 0, target.vocab_size - 1), f"mask_token_id {self.mask_token_id!r} is not a "
+             f"token id of the target"),
+            (bool(self.target_layer_ids) and all(is_int(i, 0, L - 1) for i in self.target_layer_ids) and
+             len(set(self.target_layer_ids)) == len(self.target_layer_ids),
+             f"target_layer_ids {self.target_layer_ids!r} must be distinct layer indices of the target (0 .. {L - 1})"),
+            (is_int(self.num_hidden_layers, 1) and is_int(self.num_key_value_heads, 1) and
+             is_int(self.num_attention_heads, 1) and self.num_attention_heads % self.num_key_value_heads == 0,
+             "num_attention_heads must be a multiple of num_key_value_heads"),
+            (is_int(self.head_dim, 2) and self.head_dim % 2 == 0, f"head_dim {self.head_dim!r} must be even (RoPE)"),
+        ]
+        bad = [msg for ok, msg in problems if not ok]
+        if bad:
+            raise ValueError("drafter: " + "; ".join(bad))
+
+
+class RMSNorm(nn.Module):
+    """Holds a weight; the math is ops.rmsnorm (fp32, like every norm of the target)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        D, Dh = cfg.hidden_size, cfg.head_dim
+        self.q_proj = nn.Linear(D, cfg.num_attention_heads * Dh, bias=False)
+        self.k_proj = nn.Linear(D, cfg.num_key_value_heads * Dh, bias=False)
+        self.v_proj = nn.Linear(D, cfg.num_key_value_heads * Dh, bias=False)
+        self.o_proj = nn.Linear(cfg.num_attention_heads * Dh, D, bias=False)
+        self.q_norm, self.k_norm = RMSNorm(Dh), RMSNorm(Dh)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Layer(nn.Module):
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        self.input_layernorm, self.post_attention_layernorm = RMSNorm(cfg.hidden_size), RMSNorm(cfg.hidden_size)
+        self.self_attn, self.mlp = SelfAttention(cfg), SwiGLU(cfg)
+
+
+class DFlashDrafter(nn.Module):
+    """The drafter's weights and its two forwards: `forward` (no cache: the reference, and training) and
+    `draft_hidden` (the engine's: context K/V from a cache, the block through ops.attention_block)."""
+
+    def __init__(self, cfg: DFlashConfig, ops):
+        super().__init__()
+        self.cfg, self.ops = cfg, ops
+        self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size)
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size)
+        self.scale = cfg.head_dim ** -0.5
+
+    def _norm(self, x, norm: RMSNorm):
+        return self.ops.rmsnorm(x, norm.weight, self.cfg.rms_norm_eps)[0]
+
+    def context(self, taps):
+        """The taps (..., nT*D) -> the context rows c (..., D)."""
+        return self._norm(self.fc(taps), self.hidden_norm)
+
+    def context_kv(self, i: int, c, positions):
+        """Layer i's keys and values of context rows c (B, T, D) at positions (B, T) -> (B, T, Hkv, Dh) each."""
+        a, shape = self.layers[i].self_attn, (*c.shape[:2], self.cfg.num_key_value_heads, self.cfg.head_dim)
+        k = self._norm(a.k_proj(c).view(shape), a.k_norm)
+        return apply_rope_ref(k, positions, self.cfg.rope_theta), a.v_proj(c).view(shape)
+
+    def _block_qkv(self, a: SelfAttention, y):
+        """Block rows y (B, Bk, D) -> q (B, Bk, Hq, Dh), k, v (B, Bk, Hkv, Dh); q and k normed, not rotated."""
+        B, Bk, Dh, Hkv = *y.shape[:2], self.cfg.head_dim, self.cfg.num_key_value_heads
+        q = self._norm(a.q_proj(y).view(B, Bk, self.cfg.num_attention_heads, Dh), a.q_norm)
+        k = self._norm(a.k_proj(y).view(B, Bk, Hkv, Dh), a.k_norm)
+        return q, k, a.v_proj(y).view(B, Bk, Hkv, Dh)
+
+    def _layers(self, x, attend):
+        """x (B, Bk, D) through every layer; attend(i, q, k, v) is the attention -> final-normed (B, Bk, D)."""
+        eps = self.cfg.rms_norm_eps
+        for i, layer in enumerate(self.layers):
+            q, k, v = self._block_qkv(layer.self_attn, self._norm(x, layer.input_layernorm))
+            x = x + layer.self_attn.o_proj(attend(i, q, k, v).flatten(-2))
+            x = x + layer.mlp(self.ops.rmsnorm(x, layer.post_attention_layernorm.weight, eps)[0])
+        return self._norm(x, self.norm)
+
+    def forward(self, x, taps, positions, mask=None):
+        """No cache. x (B, Q, D) the embedded block rows, taps (B, T, nT*D) the context, positions (B, T + Q)
+        for [context | block]; mask (B or 1, Q, T + Q) bool, True = visible (None: every row sees every key).
+        Training stacks several blocks into Q with a mask; a single block with no mask is one draft forward."""
+        c, T = self.context(taps), taps.shape[1]
+        ctx_kv = [self.context_kv(i, c, positions[:, :T]) for i in range(len(self.layers))]
+        block_pos = positions[:, T:]
+        rep = self.cfg.num_attention_heads // self.cfg.num_key_value_heads
+
+        def attend(i, q, k, v):
+            q, k = apply_rope_ref(q, block_pos, self.cfg.rope_theta), apply_rope_ref(k, block_pos, self.cfg.rope_theta)
+            k, v = torch.cat([ctx_kv[i][0], k], 1), torch.cat([ctx_kv[i][1], v], 1)  # (B, T + Q, Hkv, Dh)
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2).repeat_interleave(rep, 1),
+                                               v.transpose(1, 2).repeat_interleave(rep, 1),
+                                               attn_mask=None if mask is None else mask[:, None], scale=self.scale)
+            return o.transpose(1, 2)  # (B, Q, Hq, Dh)
+
+        return self._layers(x, attend)
+
+    def draft_hidden(self, x, slot_ids, ctx_lens, k_cache, v_cache):
+        """The engine's forward: x (B, Bk, D) at positions ctx_lens[b] + j; the context's K/V are rows
+        [0, ctx_lens[b]) of slot slot_ids[b] in k_cache, v_cache (Ld, S, L, Hkv, Dh) -> final-normed (B, Bk, D)."""
+        attend = lambda i, q, k, v: self.ops.attention_block(q, k, v, k_cache[i], v_cache[i],  # noqa: E731
+                                                             slot_ids, ctx_lens, self.scale, self.cfg.rope_theta)
+        return self._layers(x, attend)
+
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02, seed: int | None = None):
+        g = torch.Generator().manual_seed(seed) if seed is not None else None
+        for name, p in self.named_parameters():
+            p.fill_(1.0) if name.endswith("norm.weight") else p.copy_(torch.empty(p.shape).normal_(0, std, generator=g))
+        return self
+
+
+def load_drafter(path, target: ModelConfig, ops, device, dtype) -> DFlashDrafter:
+    """A drafter directory (config.json with dflash_config, model.safetensors) checked against the target."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"drafter: {path} has no config.json (a DFlash drafter directory: config.json with "
+                         "dflash_config, model.safetensors; scripts/train_dflash.py writes one)")
+    cfg = DFlashConfig.from_file(path / "config.json")
+    cfg.check(target)
+    with torch.device("meta"):
+        drafter = DFlashDrafter(cfg, ops)
+    return load_tensors(drafter, path, tensor_index(path), device, dtype)

@@ -1,0 +1,120 @@
+"""The DFlash block drafter (nano_spec/dflash.py): equal to the reference implementation on the same weights,
+stored in its format, and lossless in the engine (greedy == plain decoding, seeded sampling follows the target)."""
+import json
+
+import pytest
+import torch
+
+from helpers import assert_close, tiny_config
+from nano_spec.dflash import DFlashConfig, DFlashDrafter, default_taps, load_drafter
+from nano_spec.ops import Ops
+from nano_spec.weights import save_model
+
+
+def tiny_drafter(cfg=None, layers: int = 2, block: int = 4, seed: int = 0, **kw) -> DFlashDrafter:
+    cfg = cfg or tiny_config()
+    d = DFlashDrafter(DFlashConfig.for_target(cfg, num_layers=layers, block_size=block, **kw), Ops("torch"))
+    d.init_weights(std=0.2, seed=seed)
+    with torch.no_grad():  # non-trivial norm weights, so a norm applied in the wrong place shows
+        for name, p in d.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(seed + 1)))
+    return d.eval()
+
+
+def reference_drafter(ours: DFlashDrafter):
+    """The reference's DFlashDraftModel built from our config.json, holding our weights (strict)."""
+    transformers = pytest.importorskip("transformers")
+    model = pytest.importorskip("dflash.model", reason="pip install --no-deps dflash==0.1.0 (README, Tests)")
+    ref = model.DFlashDraftModel(transformers.Qwen3Config(**ours.cfg.to_dict()))
+    ref.load_state_dict(ours.state_dict(), strict=True)
+    return ref.eval()
+
+
+@pytest.mark.parametrize("layers,block,ctx", [(1, 4, 5), (2, 4, 1), (3, 7, 13)],
+                         ids=lambda v: str(v))
+def test_drafter_equals_reference(layers, block, ctx):
+    """The same weights and inputs through both: hidden states within 1e-5."""
+    ours = tiny_drafter(layers=layers, block=block, seed=layers)
+    ref = reference_drafter(ours)
+    D, nT = ours.cfg.hidden_size, len(ours.cfg.target_layer_ids)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(2, block, D, generator=g)               # the embedded block (B, Bk, D)
+    taps = torch.randn(2, ctx, nT * D, generator=g)         # the context (B, Tc, nT*D)
+    positions = torch.arange(ctx + block)[None].expand(2, -1) + torch.tensor([[0], [3]])  # (B, Tc + Bk)
+    with torch.no_grad():
+        want = ref(position_ids=positions, noise_embedding=x, target_hidden=taps)
+        got = ours(x, taps, positions)
+    err = assert_close(f"dflash L{layers} Bk{block} Tc{ctx}", want, got, atol=1e-5)
+    print(f"dflash vs DFlashDraftModel: max abs err {err:.2e}")
+
+
+def test_engine_forward_equals_no_cache_forward():
+    """draft_hidden (context K/V from a cache, block through ops.attention_block) == forward on the same rows."""
+    ours = tiny_drafter(layers=2, block=5)
+    cfg, S, L = ours.cfg, 3, 20
+    D, nT = cfg.hidden_size, len(cfg.target_layer_ids)
+    ctx_lens, slots = torch.tensor([6, 0, 11]), torch.tensor([2, 0, 1])
+    taps = torch.randn(3, 11, nT * D)
+    x = torch.randn(3, cfg.block_size, D)
+    k = torch.zeros(cfg.num_hidden_layers, S, L, cfg.num_key_value_heads, cfg.head_dim)
+    v = torch.zeros_like(k)
+    with torch.no_grad():
+        c = ours.context(taps)
+        for i in range(cfg.num_hidden_layers):
+            ki, vi = ours.context_kv(i, c, torch.arange(11)[None].expand(3, -1))
+            k[i, slots], v[i, slots] = torch.zeros_like(k[i, slots]), torch.zeros_like(v[i, slots])
+            k[i, slots, :11], v[i, slots, :11] = ki, vi
+        got = ours.draft_hidden(x, slots, ctx_lens, k, v)
+        for b in range(3):
+            T = int(ctx_lens[b])
+            want = ours(x[b : b + 1], taps[b : b + 1, :T], torch.arange(T + cfg.block_size)[None])
+            assert_close(f"row {b} (context {T})", want[0], got[b], atol=1e-5)
+
+
+def test_config_is_the_reference_format(tmp_path):
+    """config.json holds the Qwen3 fields and dflash_config; it reloads, and a drafter that does not fit the
+    target is refused naming the field."""
+    cfg = tiny_config()
+    d = tiny_drafter(cfg, layers=2, block=6)
+    save_model(d, tmp_path / "dflash")
+    stored = json.loads((tmp_path / "dflash" / "config.json").read_text())
+    assert stored["architectures"] == ["DFlashDraftModel"] and stored["model_type"] == "qwen3"
+    assert stored["dflash_config"]["block_size"] == 6
+    assert stored["dflash_config"]["target_layer_ids"] == default_taps(cfg.num_hidden_layers, 2)
+    assert stored["dflash_config"]["mask_token_id"] == cfg.eos_token_id
+    back = load_drafter(tmp_path / "dflash", cfg, Ops("torch"), "cpu", torch.float32)
+    for (n, a), (_, b) in zip(d.state_dict().items(), back.state_dict().items()):
+        assert torch.equal(a, b), n
+    other = tiny_config(hidden_size=32)
+    with pytest.raises(ValueError, match="hidden_size 48 != the target's 32"):
+        load_drafter(tmp_path / "dflash", other, Ops("torch"), "cpu", torch.float32)
+    with pytest.raises(ValueError, match="target_layer_ids"):
+        load_drafter(tmp_path / "dflash", tiny_config(layer_types=["mamba"]), Ops("torch"), "cpu", torch.float32)
+    with pytest.raises(ValueError, match="no config.json"):
+        load_drafter(tmp_path, cfg, Ops("torch"), "cpu", torch.float32)
+
+
+def test_target_taps_are_the_layer_outputs(tmp_path):
+    """The rows prefill and verify tap are the residual stream after those layers, as transformers reports it
+    (hidden_states[i + 1] of GraniteMoeHybridForCausalLM on the same weights)."""
+    from test_transformers_parity import hf_model
+
+    from nano_spec.cache import HybridCache
+    from nano_spec.weights import load_model
+
+    hf = hf_model()
+    hf.save_pretrained(tmp_path)
+    ours, taps = load_model(tmp_path), [0, 3, 2]
+    ids = torch.randint(0, 61, (1, 13))
+    with torch.no_grad():
+        want = torch.cat([hf(ids, output_hidden_states=True).hidden_states[i + 1] for i in taps], -1)[0]  # (T, nT*D)
+        cache = HybridCache(ours.cfg, 2, 32, 4, taps=taps)
+        got = torch.empty(9, len(taps) * ours.cfg.hidden_size)
+        ours.prefill(ids[0, :9], 1, cache, got)
+        assert_close("prefill taps", want[:9], got, atol=1e-4)
+        ours.verify(ids[:, 9:], torch.tensor([1]), torch.tensor([9]), cache)
+        assert_close("verify taps", want[9:], cache.tap_stash(1, 4)[0], atol=1e-4)
+        nocache = torch.empty(1, 13, len(taps) * ours.cfg.hidden_size)
+        ours.hidden(ids, taps, nocache)
+        assert_close("no-cache taps", want, nocache[0], atol=1e-4)
