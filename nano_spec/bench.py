@@ -1,7 +1,8 @@
 """python -m nano_spec.bench: end-to-end speedup of speculative decoding, configurations interleaved.
 
 At each batch size it builds one engine per configuration: plain decoding (γ = 0), MTP at each
-γ, MTP with γ = auto, n-gram at γ = 3 and, with --vs-transformers, transformers'
+γ, MTP with γ = auto, the checkpoint's DFlash drafter (its dflash/ directory, when it has one) at
+each budget γ = 1 .. Bk-1 and auto, n-gram at γ = 3 and, with --vs-transformers, transformers'
 GraniteMoeHybridForCausalLM.generate on the same base weights. It warms each up, then times
 them in turn for --repeats rounds in one process, checks that every greedy output equals
 plain decoding's (exit status 1 with the first difference when one does not), and prints a table,
@@ -26,7 +27,7 @@ from nano_spec.generate import check_threads, read_schema
 from nano_spec.llm import LLM, shipped_weights
 from nano_spec.sampling import SamplingParams
 
-# the README's benchmark targets: (row, goal, measured ratio from {batch: {config: row}})
+# the README's benchmark targets: (row, goal, measured value from {batch: {config: row}}); all are "value >= goal"
 TARGETS = (
     ("MTP γ=3 vs plain, batch 1", 1.6, lambda t: ratio(t, 1, "mtp γ=3", "plain")),
     ("auto vs plain, batch 1", 1.6, lambda t: ratio(t, 1, "mtp γ=auto", "plain")),
@@ -41,12 +42,26 @@ TARGETS = (
     ("auto: predicted vs measured step speedup, worst batch", 0.9, lambda t: worst(
         min(q, 1 / q) for q in (r["predicted_speedup"] / r["step_speedup"] for rows in t.values()
                                 for r in rows.values() if r["config"] == "mtp γ=auto"))),
+    # the block drafter (docs/DESIGN.md §13)
+    ("propose time, MTP γ=3 / dflash γ=3, batch 1", 2.0, lambda t: stat_ratio(t, 1, "mtp γ=3", "dflash γ=3",
+                                                                             "propose_ms_per_step")),
+    ("tau, dflash γ=3 / MTP γ=3, batch 1", 1.0, lambda t: stat_ratio(t, 1, "dflash γ=3", "mtp γ=3", "tau")),
+    ("tau, dflash at its best budget, batch 1", 4.0, lambda t: max(
+        (r["tau"] for c, r in t.get(1, {}).items() if c.startswith("dflash γ=") and r["tau"]), default=None)),
+    ("dflash auto vs plain, batch 1", 1.6, lambda t: ratio(t, 1, "dflash γ=auto", "plain")),
+    ("dflash auto vs plain, batch 8", 1.25, lambda t: ratio(t, 8, "dflash γ=auto", "plain")),
+    ("dflash auto vs MTP auto, batch 1", 1.1, lambda t: ratio(t, 1, "dflash γ=auto", "mtp γ=auto")),
 )
 
 
 def ratio(table, b, a, c):
     rows = table.get(b, {})
     return rows[a]["tokens_per_s"] / rows[c]["tokens_per_s"] if a in rows and c in rows else None
+
+
+def stat_ratio(table, b, a, c, key):
+    rows = table.get(b, {})
+    return rows[a][key] / rows[c][key] if a in rows and c in rows and rows[a][key] and rows[c][key] else None
 
 
 def worst(values):
@@ -68,6 +83,9 @@ def parse_args(argv):
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 16])
     p.add_argument("--no-ngram", action="store_true", help="skip the n-gram proposer")
     p.add_argument("--no-auto", action="store_true", help="skip num_drafts=auto")
+    p.add_argument("--dflash-gammas", type=int, nargs="+",
+                   help="budgets of the DFlash drafter (default: 1 .. block_size - 1, and auto unless --no-auto)")
+    p.add_argument("--no-dflash", action="store_true", help="skip the checkpoint's DFlash drafter")
     p.add_argument("--vs-transformers", action="store_true",
                    help="also time transformers' generate on the same base weights (needs transformers)")
     p.add_argument("--repeats", type=int, default=3, help="timed rounds; the median is reported")
@@ -78,6 +96,21 @@ def parse_args(argv):
     p.add_argument("--plot", help="write a PNG of tau and speedup vs γ and accept_at by position")
     p.add_argument("--json-schema", metavar="FILE", help="also run every configuration under this JSON schema")
     return p.parse_args(argv)
+
+
+def dflash_budgets(model_dir: Path, args) -> list:
+    """The DFlash rows: each budget γ (1 .. Bk-1 by default) and auto, when the checkpoint ships a drafter."""
+    from nano_spec.dflash import DFlashConfig
+    from nano_spec.llm import DRAFTER_DIR
+
+    found = model_dir / DRAFTER_DIR / "config.json"
+    if not found.is_file():
+        return []
+    block = DFlashConfig.from_file(found).block_size
+    gammas = args.dflash_gammas or list(range(1, block))
+    if any(not 1 <= g < block for g in gammas):
+        raise ValueError(f"--dflash-gammas: budgets must be in [1, {block - 1}] (the drafter's block_size is {block})")
+    return gammas + ([] if args.no_auto else ["auto"])
 
 
 def load_prompts(args, model_dir: Path) -> list:
@@ -117,7 +150,9 @@ class Engine:
         st = self.llm.stats
         steps_s = sum(v for k, v in st["phase_seconds"].items() if k != "prefill")  # what the planner models
         masks = sum(st["phase_histogram_ms"]["mask"])  # engine steps that built grammar masks
+        drafts = sum(st["phase_histogram_ms"]["propose"])  # engine steps that drafted
         return {"steps_s": steps_s, **{k: st.get(k) for k in ("tau", "accept_at", "gamma_hist", "predicted_speedup")},
+                "propose_ms_per_step": st["phase_seconds"]["propose"] * 1e3 / drafts if drafts else None,
                 "mask_ms_per_step": st["phase_seconds"]["mask"] * 1e3 / masks if masks else None,
                 "grammar_compile_s": st["grammar_compile_seconds"]}
 
@@ -150,7 +185,8 @@ class Transformers:
         return outs
 
     def stats(self):
-        return {"steps_s": None, "tau": None, "accept_at": None, "gamma_hist": None, "predicted_speedup": None}
+        return {"steps_s": None, "tau": None, "accept_at": None, "gamma_hist": None, "predicted_speedup": None,
+                "propose_ms_per_step": None}
 
 
 def measure(engines, ids, args) -> list:
@@ -192,10 +228,12 @@ def main(argv=None) -> int:
         schema = read_schema(args.json_schema) if args.json_schema else None
         if any(g < 1 for g in args.gammas) or any(b < 1 for b in args.batch) or args.repeats < 1:
             raise ValueError("--gammas, --batch and --repeats take integers >= 1")
+        dflash = [] if args.no_dflash else dflash_budgets(model_dir, args)
         table = {}
         for b in args.batch:
             configs = [("none", 0)] + [("mtp", g) for g in args.gammas]
             configs += [] if args.no_auto else [("mtp", "auto")]
+            configs += [("dflash", g) for g in dflash]
             configs += [] if args.no_ngram else [("ngram", 3)]
             engines = [Engine(model_dir, p, g, b, args) for p, g in configs]
             engines += [Engine(model_dir, p, g, b, args, schema) for p, g in configs] if schema else []
@@ -223,9 +261,11 @@ def main(argv=None) -> int:
     for r in rows:
         tau = f"{r['tau']:.3f}" if r["tau"] else "-"
         note = ""
-        if r["config"] == "mtp γ=auto":
-            note = f"steps only {r['step_speedup']:.2f}x, predicted {r['predicted_speedup']:.2f}x; " \
-                   f"steps by γ {r['gamma_hist']}"
+        if r["propose_ms_per_step"] and r["proposer"] in ("mtp", "dflash"):
+            note = f"propose {r['propose_ms_per_step']:.2f} ms/step"
+        if r["config"] in ("mtp γ=auto", "dflash γ=auto"):
+            note += f"; steps only {r['step_speedup']:.2f}x, predicted {r['predicted_speedup']:.2f}x; " \
+                    f"steps by γ {r['gamma_hist']}"
         if r["config"] == "transformers":
             note = "no MTP in transformers; its prompt lookup refuses this stateful model"
         if r["config"].endswith("+schema"):  # mask: the verify's grammar masks; masked drafting is in propose
@@ -233,7 +273,7 @@ def main(argv=None) -> int:
                    f"{r['grammar_compile_s'] * 1e3:.1f} ms"
         print(f"{r['batch']:>5} {r['threads']:>3} {r['config']:<13} {r['tokens_per_s']:>9.1f} {r['wall_s']:>7.2f} "
               f"{r['cpu_s']:>7.2f} {tau:>6} {r['speedup']:>7.2f}x  {note}")
-    print("targets (ratios of tokens/s)")
+    print("targets (tokens/s ratios unless named)")
     for name, goal, measure_ in TARGETS:
         value = measure_(table)
         shown = "not measured" if value is None else f"{value:.2f} ({'met' if value >= goal else 'not met'})"

@@ -75,7 +75,7 @@ class DFlashConfig:
         """A drafter shaped like the target's attention and MLP. The mask token defaults to EOS: a vocabulary
         whose only special token is <|endoftext|> has no unused id, and EOS never sits inside a block (a
         sequence ends at it), so the placeholder cannot be mistaken for a real draft position's token."""
-        eos = cfg.eos_token_id[0] if isinstance(cfg.eos_token_id, list) else cfg.eos_token_id
+        eos = (cfg.eos_ids or [0])[0]  # a target with no EOS: id 0
         return cls(hidden_size=cfg.hidden_size, num_hidden_layers=num_layers,
                    num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
                    head_dim=cfg.head_dim, intermediate_size=cfg.shared_intermediate_size, vocab_size=cfg.vocab_size,

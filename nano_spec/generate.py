@@ -33,7 +33,9 @@ def parse_args(argv):
     p.add_argument("--num-drafts", type=gamma_arg, default="auto",
                    help="γ, drafts per step, or auto: chosen per step from measured acceptance and cost")
     p.add_argument("--no-spec", action="store_true", help="plain decoding (γ = 0)")
-    p.add_argument("--proposer", choices=["auto", "mtp", "ngram", "none"], default="auto")
+    p.add_argument("--proposer", choices=["auto", "mtp", "dflash", "ngram", "none"], default="auto")
+    p.add_argument("--drafter", metavar="DIR",
+                   help="with --proposer dflash: the DFlash drafter directory (default: the checkpoint's dflash/)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -166,7 +168,8 @@ def run(args) -> int:
                                 grammar=None if args.grammar is None else read_file("--grammar", args.grammar))
         llm = LLM(args.model, backend=args.backend, device=args.device, dtype=args.dtype, max_batch=args.max_batch,
                   num_drafts=0 if args.no_spec else args.num_drafts, proposer="none" if args.no_spec else args.proposer,
-                  max_seq_len=args.max_seq_len, threads=args.threads, compile=args.compile)
+                  max_seq_len=args.max_seq_len, threads=args.threads, compile=args.compile,
+                  drafter=None if args.no_spec else args.drafter)
         if args.trace:
             llm.on_step = tracer(llm.tokenizer)
         t0 = time.perf_counter()

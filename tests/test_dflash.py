@@ -118,3 +118,96 @@ def test_target_taps_are_the_layer_outputs(tmp_path):
         nocache = torch.empty(1, 13, len(taps) * ours.cfg.hidden_size)
         ours.hidden(ids, taps, nocache)
         assert_close("no-cache taps", want, nocache[0], atol=1e-4)
+
+
+# ---- in the engine ----------------------------------------------------------------------------------
+PROMPTS = ["def f(x):", "for i in range(10):\n    print(i)\n", "h", "héllo wörld ✓ héllo", "x = 1\ny = 2\n" * 3]
+BLOCK = 5
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    from helpers import tiny_checkpoint
+
+    from nano_spec.config import ModelConfig
+
+    path = tiny_checkpoint(tmp_path_factory.mktemp("dflash") / "tiny", seed=5)
+    save_model(tiny_drafter(ModelConfig.from_file(path / "config.json"), layers=2, block=BLOCK, seed=3),
+               path / "dflash")
+    return path
+
+
+def generate(ckpt, proposer="none", gamma=0, max_batch=2, params=None, **kw):
+    from nano_spec import LLM, SamplingParams
+
+    llm = LLM(ckpt, proposer=proposer, num_drafts=gamma, max_batch=max_batch, **kw)
+    outs = llm.generate(PROMPTS, params or SamplingParams(max_new_tokens=24, ignore_eos=True))
+    return llm, [o.token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def plain(ckpt):
+    return generate(ckpt)[1]
+
+
+@pytest.mark.parametrize("gamma", [1, 2, 3, BLOCK - 1, "auto"], ids=lambda g: f"budget-{g}")
+def test_lossless_greedy_every_budget(ckpt, plain, gamma):
+    """Five prompts through two slots (mixed batches, slot reuse): the tokens of plain decoding."""
+    llm, out = generate(ckpt, "dflash", gamma)
+    assert out == plain
+    assert llm.stats["verify_steps"] > 0 and llm.proposer.max_drafts == (BLOCK - 1 if gamma == "auto" else gamma)
+
+
+def test_lossless_triton_backend(ckpt, plain):
+    """The drafter's block attention through the Triton kernel (the interpreter on a CPU)."""
+    _, out = generate(ckpt, "dflash", 3, backend="triton")
+    assert out == plain
+
+
+def test_lossless_under_a_grammar(ckpt):
+    """A regex: every draft is picked under the grammar state after the drafts before it; the output equals
+    plain decoding's under the same regex."""
+    from nano_spec import SamplingParams
+
+    params = SamplingParams(max_new_tokens=20, regex=r"[a-z ]{3,30}\.", ignore_eos=True)
+    _, want = generate(ckpt, params=params)
+    llm, got = generate(ckpt, "dflash", 3, params=params)
+    assert got == want and llm.stats["constrained"]["verify_steps"] > 0
+
+
+@torch.no_grad()
+def test_drafts_equal_nocache_recomputation(ckpt):
+    """After any step, the proposer's drafts (context K/V stored row by row as rows commit) equal the no-cache
+    drafter over the whole sequence: taps of every token but the last, block [last token, MASK...]."""
+    from nano_spec import LLM, SamplingParams
+
+    llm = LLM(ckpt, proposer="dflash", num_drafts=3, max_batch=2)
+    model, drafter = llm.model, llm.proposer.drafter
+    cfg, taps = drafter.cfg, drafter.cfg.target_layer_ids
+    seqs = [llm.scheduler.add(llm.tokenizer.encode(p), SamplingParams(max_new_tokens=40, ignore_eos=True))
+            for p in PROMPTS[:2]]
+    for _ in range(6):
+        llm.scheduler.step()
+        for s in seqs:
+            if s.finished:
+                continue
+            x = torch.tensor(s.tokens)
+            n = len(x)
+            ctx = torch.empty(1, n - 1, len(taps) * cfg.hidden_size)
+            model.hidden(x[None, : n - 1], taps, ctx)
+            block = torch.tensor([[s.tokens[-1]] + [cfg.mask_token_id] * (cfg.block_size - 1)])
+            h = drafter(model.model.embed_tokens(block) * cfg.input_embedding_scale, ctx,
+                        torch.arange(n - 1 + cfg.block_size)[None])
+            want = model.logits(h[0, 1:4]).argmax(-1).tolist()
+            assert llm.proposer.draft([s], 3, None).tokens[0].tolist() == want
+
+
+def test_settings_that_cannot_work_are_refused(ckpt, tmp_path):
+    from nano_spec import LLM
+
+    with pytest.raises(ValueError, match="at most 4"):
+        LLM(ckpt, proposer="dflash", num_drafts=5)
+    with pytest.raises(ValueError, match="no DFlash drafter at"):
+        LLM(ckpt, proposer="dflash", drafter=tmp_path)
+    with pytest.raises(ValueError, match="only with proposer='dflash'"):
+        LLM(ckpt, proposer="mtp", drafter=ckpt / "dflash")

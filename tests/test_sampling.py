@@ -2,7 +2,7 @@
 
 A tiny-vocabulary model (V = 8) makes the exact distribution of the first
 generated tokens computable by enumeration; thousands of seeded requests with
-MTP drafts are compared against it with a chi-square test. A deliberately
+MTP or DFlash drafts are compared against it with a chi-square test. A deliberately
 broken verdict (accept every draft) must fail the same test.
 """
 import itertools
@@ -14,7 +14,8 @@ import torch
 from helpers import tiny_model
 from nano_spec_kernels.verdict_sample import sampling_probs_ref
 from nano_spec import sampling as sampling_mod
-from nano_spec.proposers import MTPProposer, NoProposer
+from nano_spec.dflash import DFlashConfig, DFlashDrafter
+from nano_spec.proposers import DFlashProposer, MTPProposer, NoProposer
 from nano_spec.runner import ModelRunner, cache_len
 from nano_spec.sampling import SamplingParams
 from nano_spec.scheduler import Scheduler
@@ -55,8 +56,14 @@ def joint(model, n: int = 3):
     return dict(zip(seqs, picked.tolist()))
 
 
-def sample(model, gamma: int, n_tokens: int):
-    proposer = MTPProposer(model, gamma, num_slots=64, max_len=cache_len(32, gamma)) if gamma else NoProposer()
+def sample(model, gamma: int, n_tokens: int, kind: str = "mtp"):
+    if kind == "dflash":  # a random drafter: its q differs from the target's p, so the accept rule has work
+        drafter = DFlashDrafter(DFlashConfig.for_target(model.cfg, 1, gamma + 2), model.ops).init_weights(0.3, 4)
+        proposer = DFlashProposer(drafter, model, gamma, num_slots=64, max_len=cache_len(32, gamma))
+    elif gamma:
+        proposer = MTPProposer(model, gamma, num_slots=64, max_len=cache_len(32, gamma))
+    else:
+        proposer = NoProposer()
     runner = ModelRunner(model, proposer, num_slots=64, max_seq_len=32)
     sched = Scheduler(runner, ByteTok(), 32)
     seqs = [sched.add(PROMPT, SamplingParams(max_new_tokens=n_tokens, seed=i, **PARAMS)) for i in range(N_REQ)]
@@ -89,9 +96,10 @@ def marginals(samples, joint):
     return out
 
 
-@pytest.mark.parametrize("gamma", [0, 3], ids=["plain", "mtp-gamma3"])
-def test_sampled_tokens_follow_the_target(model, joint, gamma):
-    samples, tel = sample(model, gamma, 3)
+@pytest.mark.parametrize("kind, gamma", [("none", 0), ("mtp", 3), ("dflash", 3)],
+                         ids=["plain", "mtp-gamma3", "dflash-gamma3"])
+def test_sampled_tokens_follow_the_target(model, joint, kind, gamma):
+    samples, tel = sample(model, gamma, 3, kind)
     if gamma:
         assert 0 < tel.accept_at[0] < 1, "drafts are both accepted and rejected"
     pair = {k[:2]: 0.0 for k in joint}
