@@ -164,6 +164,12 @@ def test_lossless_triton_backend(ckpt, plain):
     assert out == plain
 
 
+def test_lossless_compiled(ckpt, plain):
+    """compile=True: the verify's tap rows are written inside the compiled graph (docs/DESIGN.md §12)."""
+    _, out = generate(ckpt, "dflash", 3, compile=True)
+    assert out == plain
+
+
 def test_lossless_under_a_grammar(ckpt):
     """A regex: every draft is picked under the grammar state after the drafts before it; the output equals
     plain decoding's under the same regex."""
