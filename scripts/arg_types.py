@@ -1,4 +1,4 @@
-"""The argument parser and value types of the training scripts (train.py, train_mtp.py).
+"""The argument parser and value types of the training scripts (train.py, train_mtp.py, train_dflash.py).
 
 A bad value is refused while the arguments are parsed, before anything is loaded or trained: one line on
 stderr that names the flag (`error: argument --lr: must be a finite number > 0, got 'nan'`), exit status 2.
@@ -73,3 +73,14 @@ def existing_path(text: str) -> str:
     if not os.path.exists(text):
         raise argparse.ArgumentTypeError(f"{text} does not exist")
     return text
+
+
+def indices(text: str) -> list:
+    """Distinct integers >= 0, comma-separated (`2,5`): layer indices, checked against the model where it is read."""
+    try:
+        v = [int(x) for x in text.split(",")]
+    except ValueError:
+        v = None
+    if not v or min(v) < 0 or len(set(v)) != len(v):
+        raise argparse.ArgumentTypeError(f"must be distinct integers >= 0 separated by commas, got {text!r}")
+    return v

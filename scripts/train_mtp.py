@@ -268,18 +268,26 @@ def snapshot_path(out: Path, minutes: float) -> Path:
     return out.parent / f"{out.name}-{minutes:g}min"
 
 
-def check_dirs(base: Path, out: Path, save_at=()):
+def check_dirs(base: Path, out: Path, save_at=(), log_file: str = LOG_FILE, script: str = "train_mtp.py",
+               inside_base: bool = False):
     """Refuse a base that is not a checkpoint, and outputs (--out, every --save-at snapshot) that would replace
-    the base or a directory this script did not write: writing one deletes what was there."""
+    the base or a directory `script` did not write (one holding its log_file): writing one deletes what was there.
+    inside_base: an output may be a subdirectory of the base (a drafter's <checkpoint>/dflash/); never the base
+    itself, nor a directory that holds it."""
     if not (base / "config.json").is_file():
         raise ValueError(f"--base: {base} is not a checkpoint directory (no config.json)")
     if not (base / "tokenizer.json").is_file():
         raise ValueError(f"--base: {base} has no tokenizer.json (the corpus is tokenized with it)")
+    b = base.resolve()
     for flag, path in [("--out", out)] + [("--save-at", snapshot_path(out, m)) for m in save_at]:
-        if path.resolve() == base.resolve() or base.resolve() in path.resolve().parents:
-            raise ValueError(f"{flag}: {path} must not be the base directory or inside it")
-        if path.exists() and (not path.is_dir() or (any(path.iterdir()) and not (path / LOG_FILE).is_file())):
-            raise ValueError(f"{flag}: {path} exists and is not an output of train_mtp.py; choose a new directory")
+        p = path.resolve()
+        if p == b or (b in p.parents and not inside_base):
+            raise ValueError(f"{flag}: {path} must not be the base directory"
+                             + ("" if inside_base else " or inside it"))
+        if p in b.parents:
+            raise ValueError(f"{flag}: {path} must not hold the base directory")
+        if path.exists() and (not path.is_dir() or (any(path.iterdir()) and not (path / log_file).is_file())):
+            raise ValueError(f"{flag}: {path} exists and is not an output of {script}; choose a new directory")
 
 
 class Progress:

@@ -1,6 +1,7 @@
 """Arguments and checks of the command-line tools and scripts (python -m nano_spec.generate / nano_spec.bench,
-scripts/train.py, scripts/train_mtp.py), each in a subprocess as a user runs it: a bad argument is one line
-naming the flag and exit status 2, a failed check stays a failure under python -O, and nothing is lost quietly."""
+scripts/train.py, scripts/train_mtp.py, scripts/train_dflash.py), each in a subprocess as a user runs it: a bad
+argument is one line naming the flag and exit status 2, a failed check stays a failure under python -O, and nothing
+is lost quietly."""
 import json
 import os
 import subprocess
@@ -137,7 +138,7 @@ def load_script(name):
     return module
 
 
-BAD_COMMON = [  # (flag, value, what the message says) for both scripts
+BAD_COMMON = [  # (flag, value, what the message says) for every training script
     ("--lr", "nan", "finite number > 0"), ("--lr", "inf", "finite number > 0"), ("--lr", "0", "> 0"),
     ("--lr", "-1e-3", "> 0"), ("--threads", "0", "integer in [1, "), ("--threads", "abc", "integer in [1, "),
     ("--threads", "-2", "integer in [1, "), ("--threads", "100000", "integer in [1, "),
@@ -153,11 +154,21 @@ BAD = {
                                ("--save-at", "-5", "> 0"), ("--seq-len", "2", "integer in [3, "),
                                ("--unroll", "0", "integer in [1, "), ("--depth-decay", "nan", "finite"),
                                ("--corpus", "/nonexistent/corpus.txt", "does not exist")],
+    "train_dflash": BAD_COMMON + [("--minutes", "nan", "finite number > 0"), ("--minutes", "inf", "finite"),
+                                  ("--minutes", "0", "> 0"), ("--block", "1", "integer in [2, 64]"),
+                                  ("--block", "65", "integer in [2, 64]"), ("--layers", "0", "integer in [1, 64]"),
+                                  ("--layers", "x", "integer in [1, 64]"), ("--anchors", "0", "integer in [1, "),
+                                  ("--decay", "nan", "finite number > 0"), ("--decay", "0", "> 0"),
+                                  ("--taps", "", "distinct integers >= 0"), ("--taps", "1,1", "distinct integers"),
+                                  ("--taps", "-1", "integers >= 0"), ("--taps", "a,b", "distinct integers"),
+                                  ("--seq-len", "2", "integer in [3, "),
+                                  ("--corpus", "/nonexistent/corpus.txt", "does not exist")],
     "train": BAD_COMMON + [("--max-minutes", "nan", "finite number > 0"), ("--max-minutes", "0", "> 0"),
                            ("--eval-every", "0", "integer in [1, "), ("--layers", "mx", "letters m"),
                            ("--layers", "", "letters m"), ("--seq-len", "1", "integer in [2, ")],
 }
-REQUIRED = {"train_mtp": ["--base", "b", "--out", "o"], "train": ["--out", "o"]}
+REQUIRED = {"train_mtp": ["--base", "b", "--out", "o"], "train_dflash": ["--base", "b", "--out", "o"],
+            "train": ["--out", "o"]}
 CASES = [(script, *case) for script, cases in BAD.items() for case in cases]
 
 
@@ -171,11 +182,19 @@ def test_bad_training_arguments_are_one_line(script, flag, value, message, capsy
     assert len(err.strip().splitlines()) == 1, err
 
 
-def test_unroll_longer_than_the_window_is_one_line(capsys):
+@pytest.mark.parametrize("script, argv, message", [
+    ("train_mtp", ["--seq-len", "16", "--unroll", "15"],
+     "argument --unroll: must be at most --seq-len - 2 = 14, got 15"),
+    ("train_dflash", ["--seq-len", "16", "--block", "8", "--anchors", "9"],
+     "argument --anchors: must be at most --seq-len - --block = 8, got 9"),
+    ("train_dflash", ["--seq-len", "8", "--block", "8", "--anchors", "1"],
+     "argument --seq-len: must be more than --block = 8, got 8"),
+], ids=["unroll", "anchors", "block"])
+def test_more_than_the_window_holds_is_one_line(script, argv, message, capsys):
     with pytest.raises(SystemExit) as e:
-        load_script("train_mtp").parse_args(REQUIRED["train_mtp"] + ["--seq-len", "16", "--unroll", "15"])
+        load_script(script).parse_args(REQUIRED[script] + argv)
     err = capsys.readouterr().err
-    assert e.value.code == 2 and err == "error: argument --unroll: must be at most --seq-len - 2 = 14, got 15\n"
+    assert e.value.code == 2 and err == f"error: {message}\n"
 
 
 @pytest.mark.parametrize("script, argv, want", [
@@ -185,7 +204,11 @@ def test_unroll_longer_than_the_window_is_one_line(capsys):
     ("train_mtp", [], dict(threads="auto", device="cpu", minutes=30.0)),
     ("train", ["--threads", "auto", "--max-minutes", "1", "--layers", "ma", "--device", "auto"],
      dict(threads="auto", max_minutes=1.0, layers="ma", device="cpu")),
-], ids=["train_mtp-values", "train_mtp-defaults", "train-values"])
+    ("train_dflash", ["--taps", "3,1", "--block", "16", "--anchors", "4", "--seq-len", "20", "--decay", "2"],
+     dict(taps=[3, 1], block=16, anchors=4, seq_len=20, decay=2.0)),
+    ("train_dflash", [], dict(threads="auto", device="cpu", minutes=30.0, block=8, layers=2, taps=None, anchors=16,
+                              decay=4.0, seq_len=512, batch=8, amp="bf16")),
+], ids=["train_mtp-values", "train_mtp-defaults", "train-values", "train_dflash-values", "train_dflash-defaults"])
 def test_good_training_arguments_parse(script, argv, want, monkeypatch):
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)  # auto: the CPU here
     args = vars(load_script(script).parse_args(REQUIRED[script] + argv))
@@ -209,8 +232,9 @@ def test_corpus_it_cannot_use_is_one_line(headless, tmp_path):
 
 
 @pytest.mark.parametrize("argv", [["scripts/train.py", "--out", "o", "--max-minutes", "nan"],
-                                  ["scripts/train_mtp.py", "--base", "b", "--out", "o", "--minutes", "nan"]],
-                         ids=["train", "train_mtp"])
+                                  ["scripts/train_mtp.py", "--base", "b", "--out", "o", "--minutes", "nan"],
+                                  ["scripts/train_dflash.py", "--base", "b", "--out", "o", "--minutes", "nan"]],
+                         ids=["train", "train_mtp", "train_dflash"])
 def test_nan_minutes_end_at_once(argv):
     """`--minutes nan` trained forever (no comparison with NaN is true); now it is refused as the user runs it."""
     rc, _, err = run(*argv, timeout=60)

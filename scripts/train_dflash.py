@@ -1,0 +1,323 @@
+"""Train a DFlash block drafter for a frozen target checkpoint.
+
+    python scripts/train_dflash.py --base DIR --out DIR [--minutes 30 | --steps N] [--block 8] [--layers 2]
+                                   [--taps i,j,..] [--anchors 16] [--decay 4.0] [--corpus PATH]
+
+The drafter is the one of nano_spec/dflash.py (docs/DESIGN.md §13): a few Qwen3-style layers that read
+the target's residual stream after the tapped layers (--taps; default dflash.default_taps) as context
+and draft a whole block [x_a, MASK x (Bk-1)] in one non-causal forward, through the target's embedding
+and head (both frozen). Only the drafter trains; it starts from init_weights(seed=--seed), in fp32.
+
+One step, on a batch of windows ids (B, T) of the corpus:
+    1. no grad: the target's forward gives the taps (B, T, nT*D) and its next-token distribution
+       p_t = softmax(logits_t) at every position t (what greedy verification accepts after x_..t).
+    2. --anchors n distinct random positions a in [1, T - Bk] per sequence. The block of anchor a is
+       [x_a, MASK x (Bk-1)] at positions a .. a+Bk-1. All n blocks of a sequence are stacked as the
+       Q = n*Bk query rows of ONE drafter forward over the T context rows, with the reference's
+       training mask: a block row sees the context positions < a and every row of its own block
+       (non-causal), nothing of the other blocks. This equals n separate draft forwards, one per
+       anchor with the context cut at a (tests/test_train_dflash.py checks it).
+    3. draft row j = 1 .. Bk-1 of anchor a predicts x_{a+j}; its target is p_{a+j-1}:
+           loss = sum_j w_j * CE(p_{a+j-1}, drafter logits_j) / sum_j w_j,   w_j = exp(-(j-1) / --decay)
+       Early drafts weigh most: a rejection ends the block, so a draft after it is never used.
+Logged: per-position agreement argmax(drafter_j) == argmax(p_{a+j-1}) (what greedy acceptance of draft
+j needs), and the expected accepted length E[sum_j prod_{i<=j} agree_i] (a cheap proxy for tau - 1).
+
+AdamW, linear warmup + cosine decay by training time (scripts/train.py's lr_at), gradient clipping,
+bf16 autocast (--amp). --minutes counts training-step time only (evaluations and the save excluded).
+The corpus and the held-out windows are train_mtp.py's: the Python standard library's training split
+by default (its held-out modules never train), or --corpus FILE|DIR with its last windows held out.
+The held-out windows are evaluated (loss, agreement by position) before and after training, with the
+same anchors both times.
+
+--out gets the drafter as nano_spec.dflash.load_drafter reads it (config.json with dflash_config,
+model.safetensors in the base's stored dtype) and dflash_train_log.json, written together atomically.
+The engine looks for a checkpoint's drafter in <checkpoint>/dflash/, so `--out BASE/dflash` is the
+natural place; an existing --out that is not this script's output is refused.
+"""
+import copy
+import functools
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: train_mtp.py, train.py, arg_types.py
+import train_mtp  # noqa: E402  (it imports train.py, which puts the repository root on sys.path)
+from train_mtp import base_train  # noqa: E402
+from arg_types import Parser, device, existing_path, indices, integer, number, threads  # noqa: E402
+
+from nano_spec import ssd  # noqa: E402
+from nano_spec.config import ModelConfig  # noqa: E402
+from nano_spec.dflash import DFlashConfig, DFlashDrafter  # noqa: E402
+from nano_spec.weights import load_model, save_model, stored_dtype  # noqa: E402
+
+LOG_FILE = "dflash_train_log.json"
+
+
+# ---- the stacked-anchor forward -------------------------------------------------------------------
+def sample_anchors(B: int, T: int, Bk: int, n: int, gen: torch.Generator) -> torch.Tensor:
+    """n distinct anchors per sequence in [1, T - Bk], sorted -> (B, n) int64 (on the CPU)."""
+    return torch.rand(B, T - Bk, generator=gen).argsort(dim=1)[:, :n].sort(dim=1).values + 1
+
+
+def block_mask(anchors: torch.Tensor, T: int, Bk: int) -> torch.Tensor:
+    """anchors (B, n) -> mask (B, n*Bk, T + n*Bk), True = visible: a row of block k sees the context positions
+    < anchors[:, k] and every row of block k; nothing of the other blocks."""
+    B, n = anchors.shape
+    ctx = torch.arange(T, device=anchors.device) < anchors[:, :, None]          # (B, n, T)
+    blk = torch.arange(n * Bk, device=anchors.device) // Bk                      # the block of each query row
+    own = (blk[:, None] == blk[None, :]).expand(B, -1, -1)                      # (B, Q, Q)
+    return torch.cat([ctx.repeat_interleave(Bk, dim=1), own], dim=2)
+
+
+def stacked_draft(drafter: DFlashDrafter, embed_tokens, ids, taps, anchors) -> torch.Tensor:
+    """The blocks of every anchor in one drafter forward. ids (B, T), taps (B, T, nT*D), anchors (B, n)
+    -> the drafter's final-normed hidden (B, n, Bk, D); [:, k, j] drafts x_{anchors[:, k] + j}."""
+    cfg, (B, T), n = drafter.cfg, ids.shape, anchors.shape[1]
+    Bk = cfg.block_size
+    pos = anchors[:, :, None] + torch.arange(Bk, device=ids.device)             # (B, n, Bk)
+    block = torch.full((B, n, Bk), cfg.mask_token_id, dtype=ids.dtype, device=ids.device)
+    block[:, :, 0] = ids.gather(1, anchors)                                      # [x_a, MASK x (Bk-1)]
+    x = embed_tokens(block.flatten(1)) * cfg.input_embedding_scale               # (B, Q, D)
+    positions = torch.cat([torch.arange(T, device=ids.device).expand(B, T), pos.flatten(1)], dim=1)
+    return drafter(x, taps, positions, block_mask(anchors, T, Bk)).view(B, n, Bk, -1)
+
+
+def position_weights(Bk: int, decay: float, device=None) -> torch.Tensor:
+    """w_j = exp(-(j-1)/decay) for draft rows j = 1 .. Bk-1, normalised to sum 1."""
+    w = torch.exp(-torch.arange(Bk - 1, dtype=torch.float32, device=device) / decay)
+    return w / w.sum()
+
+
+def losses(model, drafter, batch, args, gen: torch.Generator):
+    """batch (B, T+1) -> (loss, CE per draft position (Bk-1,), agreement per position (Bk-1,), expected accepted
+    length), over --anchors random blocks per window (anchors drawn from gen)."""
+    cfg, T = drafter.cfg, args.seq_len
+    ids, Bk, D = batch[:, :T], cfg.block_size, model.cfg.hidden_size
+    B, n = ids.shape[0], args.anchors
+    anchors = sample_anchors(B, T, Bk, n, gen).to(ids.device)
+    with torch.no_grad():
+        taps = torch.zeros(B, T, len(cfg.target_layer_ids) * D, device=ids.device)
+        y = model.hidden(ids, cfg.target_layer_ids, taps)                       # (B, T, D)
+        where = (anchors[:, :, None] + torch.arange(Bk - 1, device=ids.device)).flatten(1)  # a + j - 1
+        p = model.logits(y[torch.arange(B, device=ids.device)[:, None], where]).float().softmax(-1)
+        p = p.view(B, n, Bk - 1, -1)                                             # the target's pick of x_{a+j}
+    h = stacked_draft(drafter, model.model.embed_tokens, ids, taps, anchors)[:, :, 1:]
+    logits = (model.logits(h) * (cfg.output_multiplier * model.cfg.logits_scaling)).float()  # (B, n, Bk-1, V)
+    ce = -(p * logits.log_softmax(-1)).sum(-1).mean((0, 1))                     # (Bk-1,)
+    loss = (position_weights(Bk, args.decay, ce.device) * ce).sum()
+    agree = (logits.argmax(-1) == p.argmax(-1)).float()                          # (B, n, Bk-1)
+    return loss, ce.detach(), agree.mean((0, 1)), agree.cumprod(-1).sum(-1).mean()
+
+
+EVAL_SEED = 1234  # the held-out anchors: the same draw before and after training
+
+
+@torch.no_grad()
+def evaluate(model, drafter, held, args, amp) -> dict:
+    if len(held) == 0:
+        return {}
+    gen = torch.Generator().manual_seed(EVAL_SEED + args.seed)
+    tot = torch.zeros(2 + 2 * (args.block - 1))
+    for i in range(0, len(held), args.batch):
+        b = held[i:i + args.batch].to(args.device)
+        with amp():
+            loss, ce, agree, acc = losses(model, drafter, b, args, gen)
+        tot += torch.cat([loss.float().cpu().view(1), acc.float().cpu().view(1), ce.float().cpu(),
+                          agree.float().cpu()]) * len(b)
+    t, K = (tot / len(held)).tolist(), args.block - 1
+    r = lambda xs: [round(x, 4) for x in xs]  # noqa: E731
+    return {"loss": round(t[0], 4), "accept_len": round(t[1], 4), "ce": r(t[2:2 + K]), "agree": r(t[2 + K:])}
+
+
+def describe(ev: dict) -> str:
+    """A held-out evaluation as two lines: loss and expected accepted length, then agreement by position."""
+    if not ev:
+        return "no held-out windows"
+    return (f"loss {ev['loss']:.4f}  expected accepted length {ev['accept_len']:.3f}\n"
+            f"    agreement by position: " + "  ".join(f"{j}: {a:.3f}" for j, a in enumerate(ev["agree"], 1)))
+
+
+# ---- the run -------------------------------------------------------------------------------------
+def parse_args(argv=None):
+    ap = Parser(description=__doc__.split("\n")[0])
+    count, size, positive = integer(0), integer(1), number(0, above=True)
+    ap.add_argument("--base", required=True, help="the target checkpoint directory (frozen)")
+    ap.add_argument("--out", required=True, help="output directory for the drafter, e.g. BASE/dflash")
+    ap.add_argument("--minutes", type=positive, default=30.0, help="training-step time budget")
+    ap.add_argument("--steps", type=count, default=0, help="stop after N steps instead (0: --minutes decides)")
+    ap.add_argument("--block", type=integer(2, 64), default=8, help="block size Bk: one forward drafts Bk - 1 tokens")
+    ap.add_argument("--layers", type=integer(1, 64), default=2, help="drafter decoder layers")
+    ap.add_argument("--taps", type=indices, default=None,
+                    help="target layers whose residual the drafter reads, e.g. 1,3 (default: spread evenly)")
+    ap.add_argument("--anchors", type=size, default=16, help="blocks per window and step (random anchors)")
+    ap.add_argument("--decay", type=positive, default=4.0, help="draft j's loss weight is exp(-(j-1)/decay)")
+    ap.add_argument("--corpus", type=existing_path,
+                    help="a text file or directory (default: the Python standard library)")
+    ap.add_argument("--max-files", type=size, default=None, help="stdlib corpus: only the first N training files")
+    ap.add_argument("--device", type=device, default="auto", help="cpu, cuda, cuda:N or auto (cuda when there is one)")
+    ap.add_argument("--threads", type=threads, default="auto",
+                    help="intra-op threads, or auto: 2 or 1, whichever is faster")
+    ap.add_argument("--amp", choices=("none", "bf16"), default="bf16", help="autocast dtype for the matmuls")
+    ap.add_argument("--seq-len", type=integer(3), default=512)
+    ap.add_argument("--batch", type=size, default=8)
+    ap.add_argument("--lr", type=positive, default=1e-3)
+    ap.add_argument("--min-lr-frac", type=number(0, 1), default=0.1)
+    ap.add_argument("--warmup", type=count, default=20)
+    ap.add_argument("--weight-decay", type=number(0), default=0.01)
+    ap.add_argument("--clip", type=positive, default=1.0)
+    ap.add_argument("--eval-windows", type=count, default=48)
+    ap.add_argument("--log-every", type=size, default=10, help="steps between progress lines when not on a tty")
+    ap.add_argument("--seed", type=count, default=0)
+    args = ap.parse_args(argv)
+    if args.seq_len <= args.block:
+        ap.error(f"argument --seq-len: must be more than --block = {args.block}, got {args.seq_len}")
+    if args.anchors > args.seq_len - args.block:
+        ap.error(f"argument --anchors: must be at most --seq-len - --block = {args.seq_len - args.block}, "
+                 f"got {args.anchors}")
+    return args
+
+
+def drafter_config(args, cfg: ModelConfig) -> DFlashConfig:
+    """The drafter's config for the target; ValueError naming --taps or the drafter field that does not fit."""
+    L = cfg.num_hidden_layers
+    if args.taps and max(args.taps) >= L:
+        raise ValueError(f"--taps: {','.join(map(str, args.taps))} must be layers of the target (0 .. {L - 1})")
+    dcfg = DFlashConfig.for_target(cfg, num_layers=args.layers, block_size=args.block, taps=args.taps)
+    dcfg.check(cfg)
+    return dcfg
+
+
+def main(argv=None) -> int:
+    try:
+        args = parse_args(argv)
+        base, out = Path(args.base), Path(args.out)
+        train_mtp.check_dirs(base, out, log_file=LOG_FILE, script="train_dflash.py", inside_base=True)
+        cfg = ModelConfig.from_file(base / "config.json")
+        if not cfg.eos_ids:
+            raise ValueError("eos_token_id: documents are joined by EOS, and the base config names none")
+        dcfg = drafter_config(args, cfg)
+        tok = Tokenizer.from_file(str(base / "tokenizer.json"))
+        data = train_mtp.make_windows(args, tok, cfg.eos_ids[0], cfg.vocab_size)  # refuses a corpus it cannot use
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    run(args, base, out, cfg, dcfg, data)
+    return 0
+
+
+def write_drafter(drafter: DFlashDrafter, out: Path, log: dict, dtype: torch.dtype):
+    """out <- config.json + model.safetensors (in dtype) + LOG_FILE, atomically (save_model)."""
+    fd, tmp = tempfile.mkstemp(suffix=".json")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(json.dumps(log, indent=1) + "\n")
+        save_model(copy.deepcopy(drafter).to(dtype), out, extra_files={LOG_FILE: tmp})
+    finally:
+        os.unlink(tmp)
+
+
+def run(args, base: Path, out: Path, cfg: ModelConfig, dcfg: DFlashConfig, data: tuple):
+    """Train a fresh drafter on data = train_mtp.make_windows(...) and write --out."""
+    t0 = time.time()
+    log = lambda msg: print(f"[{time.time() - t0:7.1f}s] {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    threads = base_train.ThreadTuner((2, 1) if args.threads == "auto" else (int(args.threads),))
+    threads.start_segment()
+    device = torch.device(args.device)
+    amp = functools.partial(torch.autocast, device.type, dtype=torch.bfloat16, enabled=args.amp == "bf16")
+
+    train_w, held_w, source = data
+    log(f"corpus: {source}: {len(train_w)} training windows of {args.seq_len + 1} tokens, {len(held_w)} held out")
+
+    model = load_model(base, device=device, dtype=torch.float32)  # the target, frozen
+    model.requires_grad_(False)
+    model.ops.mamba_scan = functools.partial(ssd.mamba_scan_chunked, chunk_size=cfg.mamba_chunk_size)  # chunked SSD
+    drafter = DFlashDrafter(dcfg, model.ops).init_weights(seed=args.seed).to(device)  # fp32, trainable
+    params = list(drafter.parameters())
+    n_drafter, n_base = sum(p.numel() for p in params), sum(p.numel() for p in model.model.parameters())
+    log(f"target {base}: {n_base / 1e6:.2f}M params, frozen; drafter {n_drafter / 1e6:.2f}M params: "
+        f"{dcfg.num_hidden_layers} layers, block {dcfg.block_size}, taps {dcfg.target_layer_ids}, "
+        f"mask token {dcfg.mask_token_id}")
+    w = position_weights(args.block, args.decay).tolist()
+    log(f"loss weights by position: {' '.join(f'{x:.3f}' for x in w)}")
+
+    decay = [p for p in params if p.dim() >= 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                            lr=args.lr, betas=(0.9, 0.95))
+    order = torch.Generator().manual_seed(args.seed)
+    anchor_gen = torch.Generator().manual_seed(args.seed + 1)
+    perm, cursor, epoch = torch.randperm(len(train_w), generator=order), 0, 0
+    save_dtype = stored_dtype(base)
+    budget = 60.0 * args.minutes
+    drafter.eval()
+    evals = [{"step": 0, "minutes": 0.0, **evaluate(model, drafter, held_w, args, amp)}]
+    log(f"held-out before training: {describe(evals[-1])}")
+    history, step, tokens, train_s, ema = [], 0, 0, 0.0, None
+    bar = train_mtp.Progress(args.log_every)
+    K = args.block - 1
+
+    drafter.train()
+    while not (step >= args.steps if args.steps else train_s >= budget):
+        progress = step / args.steps if args.steps else train_s / budget
+        lr = base_train.lr_at(step, max(0.0, progress), args)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        if cursor + args.batch > len(perm):
+            perm, cursor, epoch = torch.randperm(len(train_w), generator=order), 0, epoch + 1
+        t_step = time.time()
+        batch = train_w[perm[cursor:cursor + args.batch]].to(device)  # (B, T+1)
+        cursor += args.batch
+        with amp():
+            loss, ce, agree, acc = losses(model, drafter, batch, args, anchor_gen)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(params, args.clip).item()
+        opt.step()
+        dt = time.time() - t_step
+        train_s += dt
+        step += 1
+        tokens += batch.shape[0] * args.seq_len  # tokens through the target
+        if step > 1:
+            threads.record(dt)
+        vals = torch.cat([loss.detach().float().view(1), acc.float().view(1), agree.float()]).cpu()
+        ema = vals if ema is None else 0.95 * ema + 0.05 * vals
+        rate = tokens / train_s
+        where = f"step {step}/{args.steps}  {train_s / 60:5.1f} min" if args.steps else \
+            f"{train_s / 60:5.1f}/{args.minutes:g} min  step {step}"
+        agree_text = "/".join(f"{x:.2f}" for x in ema[2:].tolist())
+        bar.show(min(1.0, progress), f"{where}  loss {ema[0]:.3f}  agree {agree_text}  accept {ema[1]:.2f}  "
+                 f"{rate:,.0f} tok/s  lr {lr:.1e}")
+        if step % args.log_every == 0:
+            r = lambda xs: [round(x, 4) for x in xs.tolist()]  # noqa: E731
+            history.append({"step": step, "minutes": round(train_s / 60, 2), "loss_ema": round(ema[0].item(), 4),
+                            "accept_len_ema": round(ema[1].item(), 4), "agree_ema": r(ema[2:2 + K]), "ce": r(ce),
+                            "lr": lr, "grad_norm": round(gnorm, 3) if math.isfinite(gnorm) else str(gnorm),
+                            "tokens": tokens, "tokens_per_second": round(rate, 1), "threads": threads.current})
+    bar.done()
+
+    drafter.eval()
+    evals.append({"step": step, "minutes": round(train_s / 60, 2), **evaluate(model, drafter, held_w, args, amp)})
+    d = {"finished": True, "command": " ".join([Path(sys.executable).name] + sys.argv), "args": vars(args),
+         "base": str(base.resolve()), "corpus": source, "drafter": dcfg.to_dict(), "drafter_params": n_drafter,
+         "loss_weights": [round(x, 4) for x in w], "steps": step, "epochs": epoch, "tokens_seen": tokens,
+         "train_seconds": round(train_s, 1), "minutes": round(train_s / 60, 2),
+         "tokens_per_second": round(tokens / max(train_s, 1e-9), 1), "saved_dtype": str(save_dtype),
+         "held_out_before": evals[0], "held_out": evals[-1], "agree_by_position": evals[-1].get("agree", []),
+         "evals": evals, "history": history}
+    write_drafter(drafter, out, d, save_dtype)
+    log(f"held-out before training: {describe(evals[0])}")
+    log(f"held-out after {step} steps: {describe(evals[-1])}")
+    log(f"saved {out}: {step} steps, {tokens:,} tokens in {train_s / 60:.1f} min of training "
+        f"({tokens / max(train_s, 1e-9):,.0f} tok/s); wall {time.time() - t0:.0f}s")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
