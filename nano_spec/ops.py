@@ -17,8 +17,9 @@ from nano_spec_kernels import (attention_prefill, attention_verify, commit_state
                                mamba_scan, mamba_verify, rmsnorm, verdict_greedy, verdict_sample)
 from nano_spec_kernels.common import HAS_TRITON
 
+# the attributes of Ops
 OP_NAMES = ("rmsnorm", "gated_rmsnorm", "mamba_scan", "mamba_verify", "commit_state", "attention_prefill",
-            "attention_verify", "gather_rows", "verdict_greedy", "verdict_sample")  # the attributes of Ops
+            "attention_verify", "attention_block", "gather_rows", "verdict_greedy", "verdict_sample")
 BACKENDS = ("auto", "torch", "triton")
 CHUNKED_FROM = 16  # below this many tokens the recurrence is the cheaper of the two on a CPU
 
@@ -55,6 +56,7 @@ class Ops:
         self.commit_state = pick(commit_state.commit_state, commit_state.commit_state_ref)
         self.attention_prefill = pick(attention_prefill.attention_prefill, attention_prefill.attention_prefill_ref)
         self.attention_verify = pick(attention_verify.attention_verify, attention_verify.attention_verify_ref)
+        self.attention_block = pick(attention_verify.attention_block, attention_verify.attention_block_ref)
         self.gather_rows = pick(gather_rows.gather_rows, gather_rows.gather_rows_ref)
         self.verdict_greedy = pick(verdict_greedy.verdict_greedy, verdict_greedy.verdict_greedy_ref)
         self.verdict_sample = pick(verdict_sample.verdict_sample, verdict_sample.verdict_sample_ref)

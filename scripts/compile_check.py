@@ -11,7 +11,9 @@ the real compiler, to PTX and to a cubin with the ptxas that ships in the triton
     launcher picks for that dtype and shape, and with the arguments the engine passes (views, strides).
   - The variants: fp32 (tests, CPU parity; tl.dot in "ieee") and bf16 (the CUDA default), at the shipped weights'
     shapes and Granite 4.0-H 350m's and 1b's, B in {1, 64}, K in {1, 4} (plain decode and γ = 3), a context of
-    1000 rows in a cache of 4096, prompts of 16 tokens (recurrent scan) and 512 (chunked scan).
+    1000 rows in a cache of 4096, prompts of 16 tokens (recurrent scan) and 512 (chunked scan). Besides the
+    engine's launches, attention_block (the verify kernel non-causal and not writing, for a block drafter) at each
+    model's attention heads, a block of DRAFT_BLOCK[model] rows after the same 1000 context rows, B in {1, 64}.
   - The compile: Triton's JIT binder specialises the arguments as a launch would (a pointer or an integer
     divisible by 16 is marked so, an integer equal to 1 becomes a constant); then ASTSource and triton.compile.
     These entry points may change between Triton versions.
@@ -54,12 +56,15 @@ TARGET = GPUTarget("cuda", 90, 32)
 N_SM = 132  # H200 (and H100 SXM): the split counts of attention_verify and verdict_greedy depend on it
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 BATCHES, KS = (1, 64), (1, 4)
+DRAFT_BLOCK = {"shipped": 8, "350m": 16, "1b": 16}  # attention_block's Kb: the block drafter's block size
 CTX, MAX_LEN, PROMPTS = 1000, 4096, (16, 512)
 MODULES = dict(rmsnorm=rmsnorm, gated_rmsnorm=gated_rmsnorm, mamba_scan=mamba_scan, mamba_verify=mamba_verify,
                commit_state=commit_state, attention_prefill=attention_prefill, attention_verify=attention_verify,
-               gather_rows=gather_rows, verdict_greedy=verdict_greedy, verdict_sample=verdict_sample)
-DECODE = {"mamba_verify", "attention_verify", "commit_state", "verdict_greedy", "verdict_sample", "gather_rows",
-          "rmsnorm", "gated_rmsnorm"}  # the ops of a decode step; prefill-only ops are held to the spill rule alone
+               attention_block=attention_verify, gather_rows=gather_rows, verdict_greedy=verdict_greedy,
+               verdict_sample=verdict_sample)
+# the ops of a decode step (the block drafter's attention too); prefill-only ops are held to the spill rule alone
+DECODE = {"mamba_verify", "attention_verify", "attention_block", "commit_state", "verdict_greedy", "verdict_sample",
+          "gather_rows", "rmsnorm", "gated_rmsnorm"}
 
 # ---- sm_90 occupancy ------------------------------------------------------------------------------------------
 REGS_PER_SM = 65536
@@ -139,6 +144,23 @@ def engine_launches(cfg, dtype: torch.dtype) -> list:
     return ops.launches
 
 
+def block_launches(cfg, dtype: torch.dtype, Kb: int) -> list:
+    """attention_block's launches for a drafter with cfg's attention heads: a block of Kb rows (views of one fused
+    qkv projection, as the model's) after CTX context rows of a MAX_LEN-row cache, B in BATCHES."""
+    ops = PlannedOps()
+    Hq, Hkv, Dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    meta = dict(device="meta")
+    for B in BATCHES:
+        ops.case = f"B={B} Kb={Kb}"
+        qkv = torch.zeros(B, Kb, (Hq + 2 * Hkv) * Dh, dtype=dtype, **meta)
+        q, k, v = qkv.split([Hq * Dh, Hkv * Dh, Hkv * Dh], -1)
+        kc, vc = (torch.zeros(B, MAX_LEN, Hkv, Dh, dtype=dtype, **meta) for _ in range(2))
+        slots, lens = torch.arange(B, **meta), torch.full((B,), CTX, **meta)
+        ops.attention_block(q.unflatten(-1, (Hq, Dh)), k.unflatten(-1, (Hkv, Dh)), v.unflatten(-1, (Hkv, Dh)),
+                            kc[:, :CTX], vc[:, :CTX], slots, lens, cfg.attention_multiplier, cfg.rope)
+    return ops.launches
+
+
 # ---- compiling and reading the cubin ---------------------------------------------------------------------------
 def cuobjdump() -> str:
     here = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -203,7 +225,7 @@ def key_of(launch) -> str:
 def label(launch) -> str:
     """The kernel and the meta-parameters that tell its variants apart."""
     keep = ("K", "BLOCK_M", "BLOCK_N", "BLOCK_P", "BLOCK_L", "BLOCK_V", "BLOCK_D", "BLOCK", "SPLITS", "HAS_MASK",
-            "HAS_RES", "Q")
+            "HAS_RES", "Q", "CAUSAL")
     meta = " ".join(f"{k}={v}" for k, v in launch.meta.items() if k in keep)
     return f"{launch.kernel.fn.__name__} {meta}".strip()
 
@@ -232,7 +254,8 @@ def main(argv=None) -> int:
     for name, cfg in models(args.model).items():
         for dname in args.dtype:
             rows = {}  # (op, label, what the compiler reports) -> [op, label, cases, resources or error]
-            for op, case, launch in engine_launches(cfg, DTYPES[dname]):
+            launches = engine_launches(cfg, DTYPES[dname]) + block_launches(cfg, DTYPES[dname], DRAFT_BLOCK[name])
+            for op, case, launch in launches:
                 key = key_of(launch)
                 try:
                     if key not in done:
@@ -245,17 +268,17 @@ def main(argv=None) -> int:
             print(f"\n{name} {dname}: D={cfg.hidden_size} H={cfg.mamba_n_heads} P={cfg.mamba_d_head} "
                   f"N={cfg.mamba_d_state} Hq={cfg.num_attention_heads} Hkv={cfg.num_key_value_heads} "
                   f"Dh={cfg.head_dim} V={cfg.vocab_size}")
-            print(f"{'kernel':<62} {'cases':<22} {'warps':>5} {'stages':>6} {'regs':>4} {'stack':>5} {'smem B':>7} "
+            print(f"{'kernel':<74} {'cases':<22} {'warps':>5} {'stages':>6} {'regs':>4} {'stack':>5} {'smem B':>7} "
                   f"{'blocks':>6} {'warps/SM':>8} {'limit':>7}  check")
             for op, lab, cases, r in sorted(rows.values(), key=lambda row: (row[0] not in DECODE, row[1])):
                 shown = cases_text(cases)
                 if isinstance(r, str):
                     failed += 1
-                    print(f"{lab:<62} {shown:<22} FAILED {r}")
+                    print(f"{lab:<74} {shown:<22} FAILED {r}")
                     continue
                 bad = problems(op, dname, r)
                 broken += [f"{name} {dname} {lab}: {', '.join(bad)}"] if bad else []
-                print(f"{lab:<62} {shown:<22} {r['warps']:>5} {r['stages']:>6} {r['regs']:>4} {r['stack']:>5} "
+                print(f"{lab:<74} {shown:<22} {r['warps']:>5} {r['stages']:>6} {r['regs']:>4} {r['stack']:>5} "
                       f"{r['smem']:>7} {r['blocks']:>6} {r['resident']:>8} {r['limiter']:>7}  "
                       f"{'; '.join(bad) if bad else 'ok'}")
     print(f"\n{len(done)} kernel variants compiled for sm_90 with triton {triton.__version__}; {failed} failed; "

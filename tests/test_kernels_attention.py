@@ -8,7 +8,11 @@ import pytest
 import torch
 
 from nano_spec_kernels.attention_prefill import attention_prefill, attention_prefill_ref
-from nano_spec_kernels.attention_verify import _attention_verify, attention_verify, attention_verify_ref
+import torch.nn.functional as F
+
+from nano_spec_kernels.attention_verify import (_attention_block, _attention_verify, attention_block,
+                                                attention_block_ref, attention_verify, attention_verify_ref)
+from nano_spec_kernels.common import apply_rope_ref
 from helpers import assert_close, assert_refuses, assert_unchanged
 
 SCALE = 0.37  # deliberately not 1/sqrt(Dh): the kernels must use the given scale
@@ -155,6 +159,91 @@ def test_prefill_then_verify_equals_longer_prefill(device):
     assert_close("k_cache", kc_full, kc, atol=1e-5)
 
 
+# ---------------------------------------------------------------- block (non-causal, cache read only)
+
+BLOCK_CASES = [
+    # B, Kb, Hq, Hkv, Dh, theta, L, num_splits (None = the launcher's choice)
+    pytest.param(3, 1, 4, 2, 16, None, 50, None, id="B3-Kb1-Hq4-Hkv2-Dh16-nope"),
+    pytest.param(3, 3, 3, 3, 24, 10000.0, 70, None, id="B3-Kb3-Hq3-Hkv3-Dh24-rope"),
+    pytest.param(4, 8, 4, 2, 24, 10000.0, 100, 3, id="B4-Kb8-Hq4-Hkv2-Dh24-rope-3splits"),
+    pytest.param(2, 8, 3, 3, 16, None, 45, 1, id="B2-Kb8-Hq3-Hkv3-Dh16-nope-1split"),
+    pytest.param(3, 3, 4, 2, 16, 500.0, 130, 4, id="B3-Kb3-Hq4-Hkv2-Dh16-rope-4splits"),
+]
+
+
+@pytest.mark.parametrize("Bsz, Kb, Hq, Hkv, Dh, theta, L, splits", BLOCK_CASES)
+def test_attention_block_matches_reference(device, Bsz, Kb, Hq, Hkv, Dh, theta, L, splits):
+    S = Bsz + 2
+    q = torch.randn(Bsz, Kb, Hq, Dh, device=device)
+    k = torch.randn(Bsz, Kb, Hkv, Dh, device=device)
+    v = torch.randn(Bsz, Kb, Hkv, Dh, device=device)
+    # the kernel gets a view of the first L rows (non-contiguous); the rows past it must stay unseen and unwritten
+    kc, vc = _cache(S, L + 9, Hkv, Dh, device)
+    kc0, vc0 = kc.clone(), vc.clone()
+    slots = torch.randperm(S, device=device)[:Bsz]
+    lens = torch.randint(1, L, (Bsz,), device=device)
+    lens[0] = L  # the context fills the view
+    lens[1] = 0  # no context: the block attends to itself alone
+    if Bsz > 2:
+        lens[2] = 37  # not a multiple of Kb nor of the key block
+
+    o = _attention_block(q, k, v, kc[:, :L], vc[:, :L], slots, lens, SCALE, theta, num_splits=splits)
+    o_ref = attention_block_ref(q, k, v, kc0[:, :L], vc0[:, :L], slots, lens, SCALE, theta)
+
+    _record("attention_block", assert_close("o", o_ref, o))
+    assert_unchanged("k_cache", kc0, kc)
+    assert_unchanged("v_cache", vc0, vc)
+
+
+def test_attention_block_reference_equals_sdpa(device):
+    """The reference against torch's own attention, per sequence: the gathered context rows, then the rotated
+    block rows, every query row seeing all of them (no mask), GQA by sdpa's enable_gqa."""
+    Bsz, Kb, Hq, Hkv, Dh, L, theta = 3, 4, 4, 2, 16, 24, 10000.0
+    q = torch.randn(Bsz, Kb, Hq, Dh, device=device)
+    k = torch.randn(Bsz, Kb, Hkv, Dh, device=device)
+    v = torch.randn(Bsz, Kb, Hkv, Dh, device=device)
+    kc, vc = _cache(4, L, Hkv, Dh, device)
+    slots, lens = torch.tensor([3, 0, 1], device=device), torch.tensor([11, 0, L], device=device)
+    o_ref = attention_block_ref(q, k, v, kc, vc, slots, lens, SCALE, theta)
+    for b in range(Bsz):
+        s, n = int(slots[b]), int(lens[b])
+        pos = n + torch.arange(Kb, device=device)
+        keys = torch.cat((kc[s, :n], apply_rope_ref(k[b], pos, theta)))  # (n + Kb, Hkv, Dh)
+        vals = torch.cat((vc[s, :n], v[b]))
+        qb = apply_rope_ref(q[b], pos, theta)
+        o_sdpa = F.scaled_dot_product_attention(qb.transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1),
+                                                scale=SCALE, enable_gqa=True).transpose(0, 1)  # (Kb, Hq, Dh)
+        assert_close(f"reference vs sdpa b{b}", o_sdpa, o_ref[b], atol=1e-5)
+
+
+def test_attention_block_one_row_equals_verify(device):
+    """Kb = 1: a block of one row sees the context and itself, as a verify step of one row does."""
+    Bsz, Hq, Hkv, Dh, L, theta = 3, 4, 2, 24, 40, 10000.0
+    q = torch.randn(Bsz, 1, Hq, Dh, device=device)
+    k = torch.randn(Bsz, 1, Hkv, Dh, device=device)
+    v = torch.randn(Bsz, 1, Hkv, Dh, device=device)
+    kc, vc = _cache(Bsz, L, Hkv, Dh, device)
+    slots, lens = torch.tensor([1, 2, 0], device=device), torch.tensor([0, 13, L - 1], device=device)
+    o_block = attention_block(q, k, v, kc, vc, slots, lens, SCALE, theta)
+    o_verify = attention_verify(q, k, v, kc.clone(), vc.clone(), slots, lens, SCALE, theta)
+    assert_close("block of one row vs verify of one row", o_verify, o_block, atol=1e-5)
+
+
+def test_attention_block_half_precision(device):
+    """fp16 (the interpreter's bf16 dot is not usable on CPU): within fp16 rounding of the reference."""
+    dt = torch.float16
+    Hq, Hkv, Dh = 4, 2, 24
+    q, k, v = (torch.randn(2, 5, h, Dh, device=device, dtype=dt) for h in (Hq, Hkv, Hkv))
+    kc, vc = (torch.randn(3, 40, Hkv, Dh, device=device).to(dt) for _ in range(2))
+    kc0, vc0 = kc.clone(), vc.clone()
+    slots, lens = torch.tensor([2, 0], device=device), torch.tensor([33, 6], device=device)
+    o = attention_block(q, k, v, kc, vc, slots, lens, SCALE, 10000.0)
+    o_ref = attention_block_ref(q, k, v, kc0, vc0, slots, lens, SCALE, 10000.0)
+    assert_close("block o fp16", o_ref, o, atol=5e-3)
+    assert_unchanged("k_cache fp16", kc0, kc)
+    assert_unchanged("v_cache fp16", vc0, vc)
+
+
 # ---------------------------------------------------------------- launcher checks
 
 def test_attention_prefill_rejects_bad_shapes(device):
@@ -195,6 +284,22 @@ def test_attention_verify_rejects_bad_shapes(device):
         attention_verify(q.transpose(2, 3).contiguous().transpose(2, 3), k, v, kc, vc, slots, lens, SCALE)
 
 
+def test_attention_block_rejects_bad_shapes(device):
+    q, k, v = torch.randn(2, 3, 4, 16), torch.randn(2, 3, 2, 16), torch.randn(2, 3, 2, 16)
+    kc, vc = _cache(3, 32, 2, 16, device)
+    slots, lens = torch.tensor([0, 2]), torch.tensor([4, 32])
+    with pytest.raises(ValueError, match="attention_block: Hq=3 must be a multiple of Hkv=2"):
+        attention_block(torch.randn(2, 3, 3, 16), k, v, kc, vc, slots, lens, SCALE)
+    with pytest.raises(ValueError, match="attention_block: Kb=0 block rows"):
+        attention_block(q[:, :0], k[:, :0], v[:, :0], kc, vc, slots, lens, SCALE)
+    with pytest.raises(ValueError, match="attention_block: RoPE needs an even head dim"):
+        attention_block(q[..., :15], k[..., :15], v[..., :15], kc[..., :15], vc[..., :15], slots, lens, SCALE, 1e4)
+    # a block longer than the cache view is fine: its rows are never stored
+    o = attention_block(torch.randn(2, 5, 4, 16), torch.randn(2, 5, 2, 16), torch.randn(2, 5, 2, 16),
+                        kc[:, :4], vc[:, :4], slots, torch.tensor([4, 0]), SCALE)
+    assert o.shape == (2, 5, 4, 16)
+
+
 def test_attention_half_precision(device):
     """fp16 (the half-precision tl.dot path; the interpreter's bf16 dot is not usable on CPU):
     within fp16 rounding of the reference, and the same cache rows."""
@@ -225,6 +330,11 @@ LAUNCHERS = {  # launcher, valid keyword arguments on a device
         v=torch.randn(2, 3, 2, 16, device=d), k_cache=torch.randn(3, 32, 2, 16, device=d),
         v_cache=torch.randn(3, 32, 2, 16, device=d), slot_ids=torch.tensor([0, 2], device=d),
         seq_lens=torch.tensor([4, 9], device=d), scale=SCALE)),
+    "attention_block": (attention_block, lambda d: dict(
+        q=torch.randn(2, 3, 4, 16, device=d), k=torch.randn(2, 3, 2, 16, device=d),
+        v=torch.randn(2, 3, 2, 16, device=d), k_cache=torch.randn(3, 32, 2, 16, device=d),
+        v_cache=torch.randn(3, 32, 2, 16, device=d), slot_ids=torch.tensor([0, 2], device=d),
+        ctx_lens=torch.tensor([4, 9], device=d), scale=SCALE)),
 }
 REFUSALS = [  # launcher, argument, fault (prefill takes no argument that must be contiguous)
     ("attention_prefill", "k", "shape"), ("attention_prefill", "v_cache", "dtype"),
@@ -232,6 +342,9 @@ REFUSALS = [  # launcher, argument, fault (prefill takes no argument that must b
     ("attention_verify", "slot_ids", "shape"), ("attention_verify", "q", "dtype"),
     ("attention_verify", "seq_lens", "noncontig"), ("attention_verify", "v", "stride"),
     ("attention_verify", "k_cache", "device"),
+    ("attention_block", "k", "shape"), ("attention_block", "v_cache", "dtype"),
+    ("attention_block", "ctx_lens", "noncontig"), ("attention_block", "q", "stride"),
+    ("attention_block", "slot_ids", "device"),
 ]
 
 

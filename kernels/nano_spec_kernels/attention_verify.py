@@ -16,6 +16,11 @@ For long caches and few (b, h) pairs the old keys are split across SPLITS progra
 writes its partial (m, l, acc) of the online softmax and `_combine_kernel` merges them:
 o = sum_s e^(m_s - m) acc_s / sum_s e^(m_s - m) l_s. The number of splits depends only on shapes (L, B, Hkv),
 never on seq_lens values, so there is no host sync; programs past a sequence's length do no work.
+
+attention_block is the same kernel with CAUSAL=False, WRITE_KV=False, for a block drafter: Kb query rows per
+sequence at positions ctx_lens[b] + j attend to the cache rows [0, ctx_lens[b]) and to all Kb rows of their own
+block (no causal mask among them); the block's K/V rows are rotated in registers and never stored, so the cache
+is only read. It shares the split plan and `_combine_kernel`: the block rows are split 0's, as the new rows are.
 """
 import torch
 
@@ -26,6 +31,9 @@ from nano_spec_kernels.common import (DOT, INT, ROW, Arg, Checker, Launch, apply
 _check = Checker("attention_verify")
 _ARGS = {"q": Arg("B K Hq Dh", DOT, ROW), "k, v": Arg("B K Hkv Dh", "q", ROW),
          "k_cache, v_cache": Arg("S L Hkv Dh", "q", ROW), "slot_ids, seq_lens": Arg("B", INT)}
+_check_block = Checker("attention_block")
+_BLOCK_ARGS = {"q": Arg("B Kb Hq Dh", DOT, ROW), "k, v": Arg("B Kb Hkv Dh", "q", ROW),
+               "k_cache, v_cache": Arg("S L Hkv Dh", "q", ROW), "slot_ids, ctx_lens": Arg("B", INT)}
 
 
 @triton.jit
@@ -37,8 +45,10 @@ def _verify_attention_kernel(
     K: tl.constexpr, HKV: tl.constexpr, REP: tl.constexpr, DH: tl.constexpr, DH_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, K_PAD: tl.constexpr,
     SPLITS: tl.constexpr, ROPE: tl.constexpr, DOT_PREC: tl.constexpr,
+    CAUSAL: tl.constexpr, WRITE_KV: tl.constexpr,
 ):
-    """grid (B * Hkv, SPLITS)."""
+    """grid (B * Hkv, SPLITS). CAUSAL: row j sees new rows j' <= j (verify), else all K (block);
+    WRITE_KV: the new K/V rows are appended to the cache (verify), else only used from registers (block)."""
     i_bh, i_s = tl.program_id(0), tl.program_id(1)
     i_b, i_hkv = i_bh // HKV, i_bh % HKV
     slot = tl.load(p_slot + i_b).to(tl.int64)
@@ -73,7 +83,8 @@ def _verify_attention_kernel(
         b_s = tl.where(m_kn[None, :], b_s, float("-inf"))
         b_m, b_l, b_acc = online_softmax_step(b_s, b_v, b_m, b_l, b_acc, DOT_PREC)
 
-    # new keys: split 0 rotates the K new rows, appends them to the cache and attends to them causally
+    # new keys: split 0 rotates the K new rows, appends them to the cache (WRITE_KV) and attends to them,
+    # causally (CAUSAL) or all of them
     if i_s == 0:
         o_j = tl.arange(0, K_PAD)
         m_j = o_j < K
@@ -83,12 +94,16 @@ def _verify_attention_kernel(
         b_kn = b_kn.to(p_kc.dtype.element_ty)  # (K_PAD, DH_PAD), rounded as the cache stores it
         b_vn = tl.load(p_v + i_b * s_v_b + i_hkv * s_v_h + o_j[:, None] * s_v_k + o_d[None, :], mask=m_jd, other=0.0)
         b_vn = b_vn.to(p_vc.dtype.element_ty)
-        # rows past the cache end cannot be stored (the caller guarantees seq_lens + K <= L)
-        m_st = m_jd & (o_pos < L)[:, None]
-        tl.store(p_kc_head + o_pos[:, None] * s_kc_t + o_d[None, :], b_kn, mask=m_st)
-        tl.store(p_vc_head + o_pos[:, None] * s_vc_t + o_d[None, :], b_vn, mask=m_st)
+        if WRITE_KV:
+            # rows past the cache end cannot be stored (the caller guarantees seq_lens + K <= L)
+            m_st = m_jd & (o_pos < L)[:, None]
+            tl.store(p_kc_head + o_pos[:, None] * s_kc_t + o_d[None, :], b_kn, mask=m_st)
+            tl.store(p_vc_head + o_pos[:, None] * s_vc_t + o_d[None, :], b_vn, mask=m_st)
         b_s = tl.dot(b_q, tl.trans(b_kn), input_precision=DOT_PREC) * scale  # (BLOCK_M, K_PAD)
-        b_s = tl.where((o_j[None, :] <= o_jq[:, None]) & m_j[None, :], b_s, float("-inf"))
+        m_new = m_j[None, :]  # (1, K_PAD): padding rows of the block are never keys
+        if CAUSAL:
+            m_new = m_new & (o_j[None, :] <= o_jq[:, None])  # (BLOCK_M, K_PAD)
+        b_s = tl.where(m_new, b_s, float("-inf"))
         b_m, b_l, b_acc = online_softmax_step(b_s, b_vn, b_m, b_l, b_acc, DOT_PREC)
 
     m_out = m_r[:, None] & m_d[None, :]
@@ -132,15 +147,17 @@ def verify_meta(Hq: int, Hkv: int, Dh: int, K: int, dtype: torch.dtype, cuda: bo
 
       bf16/fp16: BLOCK_N x DH_PAD <= 64 x 64 elements, 4 warps, 3 stages. At Dh = 128 a 64-key block takes 128+
         registers and 72 KB for its three staged K/V tiles, 12 resident warps per SM; 32 keys keep 120 registers,
-        38 KB and 16 warps (a decode kernel's floor, compile_check.MIN_WARPS).
+        38 KB and 16 warps (a decode kernel's floor, compile_check.MIN_WARPS). A tall query tile (BLOCK_M x DH_PAD
+        >= 64 x 128, e.g. attention_block's 3 heads x 16 rows at Dh = 128) takes 8 warps: with 4, its tiles need
+        65 KB and only 12 warps stay resident; with 8, 105 registers and 2 blocks of 8 warps.
       fp32 ("ieee" tl.dot, on the FMA units): 32-key blocks, the interpreter's (so CUDA fp32 blocks the sum as the
         tests do), 8 warps, 2 stages; 4 warps spill at Dh = 128."""
-    DH_PAD = pow2(Dh)
+    DH_PAD, BLOCK_M = pow2(Dh), pow2((Hq // Hkv) * K)
     if cuda and dtype != torch.float32:
-        block_n, warps, stages = min(64, max(16, 4096 // DH_PAD)), 4, 3
+        block_n, warps, stages = min(64, max(16, 4096 // DH_PAD)), 4 if BLOCK_M * DH_PAD < 64 * 128 else 8, 3
     else:
         block_n, warps, stages = 32, 8, 2
-    return dict(BLOCK_M=pow2((Hq // Hkv) * K), BLOCK_N=block_n, DH_PAD=DH_PAD, K_PAD=pow2(K),
+    return dict(BLOCK_M=BLOCK_M, BLOCK_N=block_n, DH_PAD=DH_PAD, K_PAD=pow2(K),
                 DOT_PREC=dot_precision(dtype), num_warps=warps, num_stages=stages)
 
 
@@ -153,10 +170,29 @@ def attention_verify_plan(q, k, v, k_cache, v_cache, slot_ids, seq_lens, scale, 
                           cuda: bool, n_sm: int):
     """The launches of attention_verify on a device of n_sm SMs (CUDA or the interpreter), and the output they fill."""
     d = _check.args(_ARGS, q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_ids=slot_ids, seq_lens=seq_lens)
-    Bsz, K, Hq, Hkv, Dh, L = d.B, d.K, d.Hq, d.Hkv, d.Dh, d.L
-    _check(Hkv > 0 and Hq % Hkv == 0, f"Hq={Hq} must be a multiple of Hkv={Hkv}")
-    _check(rope_theta is None or Dh % 2 == 0, f"RoPE needs an even head dim, got {Dh}")
-    _check(1 <= K <= L, f"K={K} rows must be in [1, L={L}]")
+    return _plan(_check, d.K, q, k, v, k_cache, v_cache, slot_ids, seq_lens, scale, rope_theta, num_splits, cuda, n_sm,
+                 causal=True, write_kv=True)
+
+
+def attention_block_plan(q, k, v, k_cache, v_cache, slot_ids, ctx_lens, scale, rope_theta=None, num_splits=None, *,
+                         cuda: bool, n_sm: int):
+    """The launches of attention_block (the kernel with CAUSAL=False, WRITE_KV=False), and the output they fill."""
+    d = _check_block.args(_BLOCK_ARGS, q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_ids=slot_ids,
+                          ctx_lens=ctx_lens)
+    return _plan(_check_block, d.Kb, q, k, v, k_cache, v_cache, slot_ids, ctx_lens, scale, rope_theta, num_splits,
+                 cuda, n_sm, causal=False, write_kv=False)
+
+
+def _plan(check, K, q, k, v, k_cache, v_cache, slot_ids, seq_lens, scale, rope_theta, num_splits, cuda, n_sm, *,
+          causal: bool, write_kv: bool):
+    """The launches of either variant, its tensors already checked by `check` (which names the variant)."""
+    (Bsz, _, Hq, Dh), Hkv, L = q.shape, k.shape[2], k_cache.shape[1]
+    check(Hkv > 0 and Hq % Hkv == 0, f"Hq={Hq} must be a multiple of Hkv={Hkv}")
+    check(rope_theta is None or Dh % 2 == 0, f"RoPE needs an even head dim, got {Dh}")
+    if write_kv:
+        check(1 <= K <= L, f"K={K} rows must be in [1, L={L}]")
+    else:  # nothing is stored, so L does not bound the block
+        check(K >= 1, f"Kb={K} block rows must be at least 1")
     o = torch.empty((Bsz, K, Hq, Dh), dtype=q.dtype, device=q.device)
     if Bsz == 0:
         return [], o
@@ -176,7 +212,8 @@ def attention_verify_plan(q, k, v, k_cache, v_cache, slot_ids, seq_lens, scale, 
         L, chunk, float(scale),
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
         *k_cache.stride()[:3], *v_cache.stride()[:3], *o.stride()[:3],
-    ), dict(K=K, HKV=Hkv, REP=Hq // Hkv, DH=Dh, SPLITS=splits, ROPE=rope_theta is not None, **meta))]
+    ), dict(K=K, HKV=Hkv, REP=Hq // Hkv, DH=Dh, SPLITS=splits, ROPE=rope_theta is not None, CAUSAL=causal,
+            WRITE_KV=write_kv, **meta))]
     if splits > 1:
         launches.append(Launch(_combine_kernel, (Bsz * K * Hq,), (mpart, lpart, opart, o, *o.stride()[:3]),
                                dict(K=K, HQ=Hq, DH=Dh, SPLITS=splits, **combine_meta(Dh, splits))))
@@ -198,6 +235,20 @@ def attention_verify(q, k, v, k_cache, v_cache, slot_ids, seq_lens, scale: float
     return _attention_verify(q, k, v, k_cache, v_cache, slot_ids, seq_lens, scale, rope_theta)
 
 
+def _attention_block(q, k, v, k_cache, v_cache, slot_ids, ctx_lens, scale, rope_theta=None, num_splits=None):
+    """attention_block with the split count exposed (tests force the split and unsplit paths)."""
+    launches, o = attention_block_plan(q, k, v, k_cache, v_cache, slot_ids, ctx_lens, scale, rope_theta, num_splits,
+                                       cuda=q.is_cuda, n_sm=sm_count(q.device))
+    run(launches)
+    return o
+
+
+def attention_block(q, k, v, k_cache, v_cache, slot_ids, ctx_lens, scale: float, rope_theta=None):
+    """Triton version of attention_block_ref (same signature, same output; the caches are only read).
+    The caller guarantees ctx_lens[b] <= L (a check would need a host sync)."""
+    return _attention_block(q, k, v, k_cache, v_cache, slot_ids, ctx_lens, scale, rope_theta)
+
+
 def attention_verify_bytes(B: int, K: int, Hq: int, Hkv: int, Dh: int, ctx: int, act: int, splits: int = 1,
                            rope: bool = False) -> dict:
     """The bytes one call moves, by tensor: what each launch loads or stores, every element once per launch (each
@@ -211,6 +262,13 @@ def attention_verify_bytes(B: int, K: int, Hq: int, Hkv: int, Dh: int, ctx: int,
     if splits > 1:  # (m, l, acc) of every split, written by the splits and read by _combine_kernel
         out["partials written"] = out["partials read"] = B * K * Hq * splits * (2 + max(16, next_pow2(Dh))) * 4
     return out
+
+
+def attention_block_bytes(B: int, Kb: int, Hq: int, Hkv: int, Dh: int, ctx: int, act: int, splits: int = 1,
+                          rope: bool = False) -> dict:
+    """attention_verify_bytes less the cache rows written: the block's K/V rows are read, never stored."""
+    return {k: n for k, n in attention_verify_bytes(B, Kb, Hq, Hkv, Dh, ctx, act, splits, rope).items()
+            if k != "cache rows written"}
 
 
 def attention_verify_ref(q, k, v, k_cache, v_cache, slot_ids, seq_lens, scale: float, rope_theta=None):
@@ -228,4 +286,24 @@ def attention_verify_ref(q, k, v, k_cache, v_cache, slot_ids, seq_lens, scale: f
     s = torch.einsum("bqhd,bkhd->bhqk", q.float(), kf) * scale  # (B, Hq, K, L)
     visible = torch.arange(L, device=q.device)[None, None, :] <= pos[:, :, None]  # (B, K, L)
     s = s.masked_fill(~visible[:, None], float("-inf"))
+    return torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), vf).to(q.dtype)
+
+
+def attention_block_ref(q, k, v, k_cache, v_cache, slot_ids, ctx_lens, scale: float, rope_theta=None):
+    """q (B, Kb, Hq, Dh), k, v (B, Kb, Hkv, Dh): a block of rows at positions ctx_lens[b] + j, rotated here;
+    k_cache, v_cache (S, L, Hkv, Dh) of one layer, rows [0, ctx_lens[b]) of slot slot_ids[b] visible, already
+    rotated, never written. Every block row attends to those cache rows and to all Kb block rows (non-causal).
+    Returns o (B, Kb, Hq, Dh)."""
+    Kb, L = q.shape[1], k_cache.shape[1]
+    rep = q.shape[2] // k.shape[2]  # query heads per KV head
+    pos = ctx_lens[:, None] + torch.arange(Kb, device=q.device)  # (B, Kb)
+    q = apply_rope_ref(q, pos, rope_theta)
+    keys = torch.cat((k_cache[slot_ids], apply_rope_ref(k, pos, rope_theta)), 1)  # (B, L + Kb, Hkv, Dh)
+    vals = torch.cat((v_cache[slot_ids], v), 1)
+    kf = keys.float().repeat_interleave(rep, dim=2)  # (B, L + Kb, Hq, Dh)
+    vf = vals.float().repeat_interleave(rep, dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q.float(), kf) * scale  # (B, Hq, Kb, L + Kb)
+    n = torch.arange(L + Kb, device=q.device)
+    visible = (n[None, :] < ctx_lens[:, None]) | (n[None, :] >= L)  # (B, L + Kb): the context, then the block
+    s = s.masked_fill(~visible[:, None, None], float("-inf"))
     return torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), vf).to(q.dtype)
