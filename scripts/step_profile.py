@@ -1,6 +1,6 @@
 """Where a step's time goes: aten ops and milliseconds per call of each engine phase.
 
-    python scripts/step_profile.py [--model DIR] [--batch 1 8] [--gammas 0 3] [--threads 1]
+    python scripts/step_profile.py [--model DIR] [--batch 1 8] [--gammas 0 3] [--threads 1] [--proposer mtp]
 
 Ops are counted with a TorchDispatchMode around each telemetry phase (one counting run);
 times come from separate runs without the counter, median per phase call. Works on any
@@ -72,6 +72,7 @@ def main(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--proposer", default="mtp", help="the proposer of the γ > 0 rows: mtp, dflash or ngram")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     model = Path(args.model) if args.model else shipped_weights()
@@ -80,11 +81,12 @@ def main(argv=None):
     rows = []
     for b in args.batch:
         for g in args.gammas:
-            llm = LLM(str(model), backend="torch", max_batch=b, num_drafts=g, proposer="mtp" if g else "none")
+            kind = args.proposer if g else "none"
+            llm = LLM(str(model), backend="torch", max_batch=b, num_drafts=g, proposer=kind)
             torch.set_num_threads(args.threads)  # after LLM(), which may set its own default
             for name, r in profile(llm, prompts[:b], params, args.runs).items():
-                rows.append({"batch": b, "gamma": g, "phase": name, **r})
-                print(f"batch {b:>2} γ={g}  {name:<8} calls {r['calls']:>4}  ops/call {r['ops_per_call']:>7.1f}  "
+                rows.append({"batch": b, "gamma": g, "proposer": kind, "phase": name, **r})
+                print(f"batch {b:>2} γ={g} {kind:<6} {name:<8} calls {r['calls']:>4}  ops/call {r['ops_per_call']:>7.1f}  "
                       f"ms/call {r['ms_per_call']:>7.2f}")
     print(json.dumps(rows))
 

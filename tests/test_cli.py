@@ -80,3 +80,40 @@ def test_bench_tiny_setting_json(ckpt, tmp_path):
     assert {(r["proposer"], r["gamma"], r["batch"]) for r in result["rows"]} == {
         (p, g, b) for b in (1, 2) for p, g in [("none", 0), ("mtp", 1), ("mtp", 2), ("mtp", "auto"), ("ngram", 3)]}
     assert "targets" in out and all(r["cpu_s"] > 0 for r in result["rows"])
+
+
+@pytest.fixture(scope="module")
+def dflash_ckpt(tmp_path_factory):
+    """A tiny checkpoint with a random DFlash drafter in its dflash/ directory."""
+    from test_dflash import tiny_drafter
+
+    from nano_spec.config import ModelConfig
+    from nano_spec.weights import save_model
+
+    path = tiny_checkpoint(tmp_path_factory.mktemp("cli-dflash") / "tiny", seed=2)
+    save_model(tiny_drafter(ModelConfig.from_file(path / "config.json"), layers=1, block=4), path / "dflash")
+    return path
+
+
+def test_generate_with_the_block_drafter_shows_its_drafts(dflash_ckpt):
+    """--proposer dflash with --show-drafts, --trace and --stats: the drafts shown are the ones verified."""
+    rc, out, err = cli("--model", dflash_ckpt, "--prompt", "def f(x):", "--prompt", "x = 1", "--max-new-tokens", 8,
+                       "--proposer", "dflash", "--num-drafts", 3, "--show-drafts", "--trace", "--stats")
+    assert rc == 0, err
+    assert any(mark in out for mark in "[{<")  # origins marked: accepted draft, correction, bonus
+    assert "drafts [" in err and "tau" in err and "propose" in err
+    rc, _, err = cli("--model", dflash_ckpt, "--proposer", "dflash", "--num-drafts", 4, "--max-new-tokens", 2)
+    assert rc == 2 and "at most 3" in err and "Traceback" not in err, err
+
+
+def test_bench_has_the_drafter_rows(dflash_ckpt, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "def f(x):"}) + "\n")
+    rc, out, err = cli("--model", dflash_ckpt, "--prompts-file", prompts, "--max-new-tokens", 4, "--gammas", 1,
+                       "--batch", 1, "--no-ngram", "--backend", "torch", "--repeats", 1, module="nano_spec.bench")
+    assert rc == 0, err
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["identical"] is True
+    assert {(r["proposer"], r["gamma"]) for r in result["rows"]} == {
+        ("none", 0), ("mtp", 1), ("mtp", "auto"), ("dflash", 1), ("dflash", 2), ("dflash", 3), ("dflash", "auto")}
+    assert "dflash auto vs plain, batch 1" in out

@@ -164,10 +164,10 @@ def test_fault_in_one_sequence_ends_only_it(ckpt, reference, monkeypatch, where,
     else:
         real_prefill = llm.model.prefill
 
-        def prefill(ids, slot, cache):
+        def prefill(ids, slot, cache, *taps_out):
             if slot == victim["seq"].slot:
                 raise RuntimeError("injected prefill fault")
-            return real_prefill(ids, slot, cache)
+            return real_prefill(ids, slot, cache, *taps_out)
 
         monkeypatch.setattr(llm.model, "prefill", prefill)
     enc = llm.tokenizer.encode
