@@ -34,6 +34,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nano_spec.config import ModelConfig, is_int
+from nano_spec.model import Norm  # a weight; the math is ops.rmsnorm, in fp32 as the target's
 from nano_spec.weights import load_tensors, tensor_index
 from nano_spec_kernels.common import apply_rope_ref
 
@@ -132,14 +133,6 @@ class DFlashConfig:
             raise ValueError("drafter: " + "; ".join(bad))
 
 
-class RMSNorm(nn.Module):
-    """Holds a weight; the math is ops.rmsnorm (fp32, like every norm of the target)."""
-
-    def __init__(self, dim: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-
-
 class SelfAttention(nn.Module):
     def __init__(self, cfg: DFlashConfig):
         super().__init__()
@@ -148,7 +141,7 @@ class SelfAttention(nn.Module):
         self.k_proj = nn.Linear(D, cfg.num_key_value_heads * Dh, bias=False)
         self.v_proj = nn.Linear(D, cfg.num_key_value_heads * Dh, bias=False)
         self.o_proj = nn.Linear(cfg.num_attention_heads * Dh, D, bias=False)
-        self.q_norm, self.k_norm = RMSNorm(Dh), RMSNorm(Dh)
+        self.q_norm, self.k_norm = Norm(Dh), Norm(Dh)
 
 
 class SwiGLU(nn.Module):
@@ -165,7 +158,7 @@ class SwiGLU(nn.Module):
 class Layer(nn.Module):
     def __init__(self, cfg: DFlashConfig):
         super().__init__()
-        self.input_layernorm, self.post_attention_layernorm = RMSNorm(cfg.hidden_size), RMSNorm(cfg.hidden_size)
+        self.input_layernorm, self.post_attention_layernorm = Norm(cfg.hidden_size), Norm(cfg.hidden_size)
         self.self_attn, self.mlp = SelfAttention(cfg), SwiGLU(cfg)
 
 
@@ -177,12 +170,12 @@ class DFlashDrafter(nn.Module):
         super().__init__()
         self.cfg, self.ops = cfg, ops
         self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size)
+        self.norm = Norm(cfg.hidden_size)
         self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
-        self.hidden_norm = RMSNorm(cfg.hidden_size)
+        self.hidden_norm = Norm(cfg.hidden_size)
         self.scale = cfg.head_dim ** -0.5
 
-    def _norm(self, x, norm: RMSNorm):
+    def _norm(self, x, norm: Norm):
         return self.ops.rmsnorm(x, norm.weight, self.cfg.rms_norm_eps)[0]
 
     def context(self, taps):

@@ -76,6 +76,26 @@ def ngram_lookup(tokens: list, gamma: int, max_n: int = 3) -> list:
     return []
 
 
+def pick_in_order(seqs, slots, per_slot: BatchSampling, gamma: int, uniforms, logits_of) -> Drafts:
+    """γ drafts picked one position at a time: draft i from logits_of(i, draft i-1) (B, V), drawn with
+    uniforms[:, i] on sampled rows; a constrained row picks under its grammar's mask after the drafts before it
+    (DESIGN §11). per_slot holds each slot's sampling settings."""
+    sampling = per_slot.select(slots, all(s.params.greedy for s in seqs))
+    masks = DraftMasks([s.constraint for s in seqs], gamma, slots.device)
+    tokens, probs, tok = [], [], None
+    try:
+        for i in range(gamma):
+            tok, q = sampling.pick(logits_of(i, tok), None if uniforms is None else uniforms[:, i], masks.mask())
+            tokens.append(tok)
+            probs.append(q)
+            if i + 1 < gamma:
+                masks.push(tok, i)
+    finally:
+        masks.close()
+    nd = torch.tensor(masks.num, device=slots.device) if masks.on else torch.full_like(slots, gamma)
+    return Drafts(torch.stack(tokens, dim=1), nd, None if sampling.all_greedy else torch.stack(probs, dim=1))
+
+
 class NoProposer:
     """Plain decoding: with max_drafts 0 the runner calls none of the methods."""
     max_drafts = 0
@@ -162,23 +182,15 @@ class MTPProposer:
         slots = self.slot_ids(seqs)
         if not gamma:
             return Drafts(slots.new_zeros(len(seqs), 0), slots.new_zeros(len(seqs)), None)
-        sampling = self.sampling.select(slots, all(s.params.greedy for s in seqs))
         o, pos, kv_len = self.seed[slots], self.pos[slots], max(s.seq_len for s in seqs) + gamma
-        tokens, probs = [], []
-        masks = DraftMasks([s.constraint for s in seqs], gamma, slots.device)
-        try:
-            for i in range(gamma):
-                tok, q = sampling.pick(self.model.mtp_logits(o), None if uniforms is None else uniforms[:, i],
-                                       masks.mask())
-                tokens.append(tok)
-                probs.append(q)
-                if i + 1 < gamma:
-                    masks.push(tok, i)
-                    o = self.model.mtp_step(tok[:, None], o[:, None], slots, pos + i, self.k, self.v, kv_len)[:, 0]
-        finally:
-            masks.close()
-        nd = torch.tensor(masks.num, device=slots.device) if masks.on else torch.full_like(slots, gamma)
-        return Drafts(torch.stack(tokens, dim=1), nd, None if sampling.all_greedy else torch.stack(probs, dim=1))
+
+        def logits(i, prev):  # draft i > 0 grows from the MTP output after draft i - 1
+            nonlocal o
+            if i:
+                o = self.model.mtp_step(prev[:, None], o[:, None], slots, pos + i - 1, self.k, self.v, kv_len)[:, 0]
+            return self.model.mtp_logits(o)
+
+        return pick_in_order(seqs, slots, self.sampling, gamma, uniforms, logits)
 
 
 class DFlashProposer:
@@ -240,20 +252,7 @@ class DFlashProposer:
         kv_len = max(s.seq_len for s in seqs)  # context rows read: the longest context
         h = self.drafter.draft_hidden(x, slots, self.ctx_len[slots], self.k[:, :, :kv_len], self.v[:, :, :kv_len])
         logits = self.target.logits(h[:, 1 : gamma + 1]) * (cfg.output_multiplier * self.target.cfg.logits_scaling)
-        sampling = self.sampling.select(slots, all(s.params.greedy for s in seqs))
-        masks = DraftMasks([s.constraint for s in seqs], gamma, slots.device)
-        tokens, probs = [], []
-        try:
-            for j in range(gamma):
-                tok, q = sampling.pick(logits[:, j], None if uniforms is None else uniforms[:, j], masks.mask())
-                tokens.append(tok)
-                probs.append(q)
-                if j + 1 < gamma:
-                    masks.push(tok, j)
-        finally:
-            masks.close()
-        nd = torch.tensor(masks.num, device=slots.device) if masks.on else torch.full_like(slots, gamma)
-        return Drafts(torch.stack(tokens, dim=1), nd, None if sampling.all_greedy else torch.stack(probs, dim=1))
+        return pick_in_order(seqs, slots, self.sampling, gamma, uniforms, lambda i, prev: logits[:, i])
 
 
 AUTO_MAX_DRAFTS = 4  # γ_max under num_drafts="auto"; each extra draft also costs stash memory per slot
