@@ -264,13 +264,6 @@ def attention_verify_bytes(B: int, K: int, Hq: int, Hkv: int, Dh: int, ctx: int,
     return out
 
 
-def attention_block_bytes(B: int, Kb: int, Hq: int, Hkv: int, Dh: int, ctx: int, act: int, splits: int = 1,
-                          rope: bool = False) -> dict:
-    """attention_verify_bytes less the cache rows written: the block's K/V rows are read, never stored."""
-    return {k: n for k, n in attention_verify_bytes(B, Kb, Hq, Hkv, Dh, ctx, act, splits, rope).items()
-            if k != "cache rows written"}
-
-
 def attention_verify_ref(q, k, v, k_cache, v_cache, slot_ids, seq_lens, scale: float, rope_theta=None):
     """q (B, K, Hq, Dh), k, v (B, K, Hkv, Dh); k_cache, v_cache (S, L, Hkv, Dh) of one layer;
     slot_ids, seq_lens (B,). Writes cache rows seq_lens[b] .. +K-1; returns o (B, K, Hq, Dh).
