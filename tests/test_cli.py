@@ -42,7 +42,11 @@ def test_generate_with_no_arguments_uses_the_shipped_weights():
     assert out.startswith("class Stack:") and len(out) > 90
 
 
-def test_user_errors_exit_2_without_traceback(ckpt, tmp_path):
+def test_user_errors_exit_2_without_traceback(ckpt, tmp_path, capsys):
+    """In this process (main(argv) is what the module runs), as a dozen interpreter starts cost half a minute:
+    an exception that escaped would fail the test as a traceback would."""
+    from nano_spec.generate import main
+
     bad_utf8 = tmp_path / "bad.txt"
     bad_utf8.write_bytes(b"\xff\xfe\x00 prompt\n")
     bad_json = tmp_path / "bad.jsonl"
@@ -63,7 +67,8 @@ def test_user_errors_exit_2_without_traceback(ckpt, tmp_path):
         ("--model", ckpt, "--device", "nope"): "device",
     }
     for args, message in cases.items():
-        rc, out, err = cli(*args)
+        rc = main([str(a) for a in args])
+        err = capsys.readouterr().err
         assert rc == 2, (args, err)
         assert message in err and "Traceback" not in err, (args, err)
         assert len(err.strip().splitlines()) == 1, err

@@ -137,11 +137,11 @@ def ckpt(tmp_path_factory):
     return path
 
 
-def generate(ckpt, proposer="none", gamma=0, max_batch=2, params=None, **kw):
+def generate(ckpt, proposer="none", gamma=0, max_batch=2, params=None, prompts=PROMPTS, **kw):
     from nano_spec import LLM, SamplingParams
 
     llm = LLM(ckpt, proposer=proposer, num_drafts=gamma, max_batch=max_batch, **kw)
-    outs = llm.generate(PROMPTS, params or SamplingParams(max_new_tokens=24, ignore_eos=True))
+    outs = llm.generate(prompts, params or SamplingParams(max_new_tokens=24, ignore_eos=True))
     return llm, [o.token_ids for o in outs]
 
 
@@ -158,10 +158,15 @@ def test_lossless_greedy_every_budget(ckpt, plain, gamma):
     assert llm.stats["verify_steps"] > 0 and llm.proposer.max_drafts == (BLOCK - 1 if gamma == "auto" else gamma)
 
 
-def test_lossless_triton_backend(ckpt, plain):
-    """The drafter's block attention through the Triton kernel (the interpreter on a CPU)."""
-    _, out = generate(ckpt, "dflash", 3, backend="triton")
-    assert out == plain
+def test_lossless_triton_backend(ckpt):
+    """The drafter's block attention through the Triton kernel (the interpreter on a CPU). Two prompts through one
+    slot (reuse), short: every kernel of the target's verify and prefill runs in the interpreter too."""
+    from nano_spec import SamplingParams
+
+    short = dict(params=SamplingParams(max_new_tokens=6, ignore_eos=True), prompts=[PROMPTS[0], PROMPTS[3]],
+                 max_batch=1)
+    _, out = generate(ckpt, "dflash", 3, backend="triton", **short)
+    assert out == generate(ckpt, backend="torch", **short)[1]
 
 
 def test_lossless_compiled(ckpt, plain):
