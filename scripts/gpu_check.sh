@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check, for a machine with a CUDA GPU where torch, triton, pytest and
 # pytest-benchmark are installed and nothing can be downloaded. Each step is
-# bounded in time (about 8 minutes in all); a summary goes to $OUT/summary.txt
+# bounded in time (about 9 minutes in all); a summary goes to $OUT/summary.txt
 # when OUT is set (else /tmp/nano_spec_gpu_check) and to stdout.
 #   1. the kernel tests, compiled (not interpreted), and the model on the triton backend
 #   2. the lossless tests on CUDA (the engine picks the triton backend there)
@@ -36,4 +36,4 @@ step kernel_tests 170 python -m pytest -q -x tests/test_kernels_mamba.py tests/t
 step lossless 120 python -m pytest -q -x tests/test_engine.py -k "lossless or batch_invariance or admission"
 step kernel_bench 110 python -m tests.bench
 TAIL=100 step predict 30 python -m tests.bench --predict --model shipped 350m 1b
-step e2e_bench 80 python -m nano_spec.bench --num-prompts 8 --max-new-tokens 48 --batch 1 8
+step e2e_bench 100 python -m nano_spec.bench --num-prompts 8 --max-new-tokens 48 --batch 1 8 --gammas 3 --dflash-gammas 3
