@@ -148,8 +148,9 @@ class ModelRunner:
 
         A wrong shape is the proposer's fault for the whole batch: the step fails. A draft id outside
         [0, V) refuses only its row, checked on the device: the flag travels with the step's one copy and the
-        row is verified with no drafts meanwhile."""
-        t, nd, q = drafts.tokens, drafts.nd, drafts.probs
+        row is verified with no drafts meanwhile. Drafts made on another device (a host-side proposer on a
+        CUDA engine) are moved to the engine's."""
+        t, nd, q = (None if x is None else x.to(self.device) for x in (drafts.tokens, drafts.nd, drafts.probs))
         if t.shape != (B, gamma) or nd.shape != (B,) or t.is_floating_point() or nd.is_floating_point() or (
                 q is not None and q.shape != (B, gamma, self.cfg.vocab_size)):
             raise ValueError(f"proposer: drafts {tuple(t.shape)}, nd {tuple(nd.shape)}, probs "

@@ -154,7 +154,8 @@ def test_prefill_then_verify_equals_longer_prefill(device):
     kc_full, vc_full = kc.clone(), vc.clone()
     o_full = attention_prefill(q, k, v, kc_full, vc_full, 1, SCALE, theta)
     attention_prefill(q[:T], k[:T], v[:T], kc, vc, 1, SCALE, theta)
-    o_step = attention_verify(q[None, T:], k[None, T:], v[None, T:], kc, vc, torch.tensor([1]), torch.tensor([T]), SCALE, theta)
+    o_step = attention_verify(q[None, T:], k[None, T:], v[None, T:], kc, vc, torch.tensor([1], device=device),
+                              torch.tensor([T], device=device), SCALE, theta)
     assert_close("verify rows vs prefill rows", o_full[T:], o_step[0], atol=1e-5)
     assert_close("k_cache", kc_full, kc, atol=1e-5)
 
@@ -247,57 +248,60 @@ def test_attention_block_half_precision(device):
 # ---------------------------------------------------------------- launcher checks
 
 def test_attention_prefill_rejects_bad_shapes(device):
-    q, k, v = torch.randn(8, 4, 16), torch.randn(8, 2, 16), torch.randn(8, 2, 16)
-    kc, vc = _cache(2, 16, 2, 16, device)
-    with pytest.raises(ValueError, match="k, v"):
-        attention_prefill(q, k[:7], v, kc, vc, 0, SCALE)
-    with pytest.raises(ValueError, match="multiple"):
-        attention_prefill(torch.randn(8, 3, 16), k, v, kc, vc, 0, SCALE)
-    with pytest.raises(ValueError, match="k_cache"):
-        attention_prefill(q, k, v, kc[:, :, :1], vc[:, :, :1], 0, SCALE)
-    with pytest.raises(ValueError, match="slot"):
-        attention_prefill(q, k, v, kc, vc, 2, SCALE)
-    with pytest.raises(ValueError, match="fit"):
-        attention_prefill(q, k, v, kc[:, :4], vc[:, :4], 0, SCALE)
-    with pytest.raises(ValueError, match="dtype"):
-        attention_prefill(q.double(), k, v, kc, vc, 0, SCALE)
-    with pytest.raises(ValueError, match="even"):
-        attention_prefill(torch.randn(8, 4, 15), torch.randn(8, 2, 15), torch.randn(8, 2, 15),
-                          torch.randn(2, 16, 2, 15), torch.randn(2, 16, 2, 15), 0, SCALE, 10000.0)
+    with torch.device(device):  # the tensors made below live on the device under test, as the engine's do
+        q, k, v = torch.randn(8, 4, 16), torch.randn(8, 2, 16), torch.randn(8, 2, 16)
+        kc, vc = _cache(2, 16, 2, 16, device)
+        with pytest.raises(ValueError, match="k, v"):
+            attention_prefill(q, k[:7], v, kc, vc, 0, SCALE)
+        with pytest.raises(ValueError, match="multiple"):
+            attention_prefill(torch.randn(8, 3, 16), k, v, kc, vc, 0, SCALE)
+        with pytest.raises(ValueError, match="k_cache"):
+            attention_prefill(q, k, v, kc[:, :, :1], vc[:, :, :1], 0, SCALE)
+        with pytest.raises(ValueError, match="slot"):
+            attention_prefill(q, k, v, kc, vc, 2, SCALE)
+        with pytest.raises(ValueError, match="fit"):
+            attention_prefill(q, k, v, kc[:, :4], vc[:, :4], 0, SCALE)
+        with pytest.raises(ValueError, match="dtype"):
+            attention_prefill(q.double(), k, v, kc, vc, 0, SCALE)
+        with pytest.raises(ValueError, match="even"):
+            attention_prefill(torch.randn(8, 4, 15), torch.randn(8, 2, 15), torch.randn(8, 2, 15),
+                              torch.randn(2, 16, 2, 15), torch.randn(2, 16, 2, 15), 0, SCALE, 10000.0)
 
 
 def test_attention_verify_rejects_bad_shapes(device):
-    q, k, v = torch.randn(2, 3, 4, 16), torch.randn(2, 3, 2, 16), torch.randn(2, 3, 2, 16)
-    kc, vc = _cache(3, 32, 2, 16, device)
-    slots, lens = torch.tensor([0, 2]), torch.tensor([4, 9])
-    with pytest.raises(ValueError, match="k, v"):
-        attention_verify(q, k[:, :2], v, kc, vc, slots, lens, SCALE)
-    with pytest.raises(ValueError, match="slot_ids"):
-        attention_verify(q, k, v, kc, vc, slots[:1], lens, SCALE)
-    with pytest.raises(ValueError, match="integer"):
-        attention_verify(q, k, v, kc, vc, slots, lens.float(), SCALE)
-    with pytest.raises(ValueError, match="attention_verify: slot_ids, seq_lens must be contiguous"):
-        attention_verify(q, k, v, kc, vc, slots, torch.tensor([[4, 0], [9, 0]])[:, 0], SCALE)
-    with pytest.raises(ValueError, match="k_cache"):
-        attention_verify(q, k, v, kc[..., :8], vc[..., :8], slots, lens, SCALE)
-    with pytest.raises(ValueError, match="unit stride"):
-        attention_verify(q.transpose(2, 3).contiguous().transpose(2, 3), k, v, kc, vc, slots, lens, SCALE)
+    with torch.device(device):  # the tensors made below live on the device under test, as the engine's do
+        q, k, v = torch.randn(2, 3, 4, 16), torch.randn(2, 3, 2, 16), torch.randn(2, 3, 2, 16)
+        kc, vc = _cache(3, 32, 2, 16, device)
+        slots, lens = torch.tensor([0, 2]), torch.tensor([4, 9])
+        with pytest.raises(ValueError, match="k, v"):
+            attention_verify(q, k[:, :2], v, kc, vc, slots, lens, SCALE)
+        with pytest.raises(ValueError, match="slot_ids"):
+            attention_verify(q, k, v, kc, vc, slots[:1], lens, SCALE)
+        with pytest.raises(ValueError, match="integer"):
+            attention_verify(q, k, v, kc, vc, slots, lens.float(), SCALE)
+        with pytest.raises(ValueError, match="attention_verify: slot_ids, seq_lens must be contiguous"):
+            attention_verify(q, k, v, kc, vc, slots, torch.tensor([[4, 0], [9, 0]])[:, 0], SCALE)
+        with pytest.raises(ValueError, match="k_cache"):
+            attention_verify(q, k, v, kc[..., :8], vc[..., :8], slots, lens, SCALE)
+        with pytest.raises(ValueError, match="unit stride"):
+            attention_verify(q.transpose(2, 3).contiguous().transpose(2, 3), k, v, kc, vc, slots, lens, SCALE)
 
 
 def test_attention_block_rejects_bad_shapes(device):
-    q, k, v = torch.randn(2, 3, 4, 16), torch.randn(2, 3, 2, 16), torch.randn(2, 3, 2, 16)
-    kc, vc = _cache(3, 32, 2, 16, device)
-    slots, lens = torch.tensor([0, 2]), torch.tensor([4, 32])
-    with pytest.raises(ValueError, match="attention_block: Hq=3 must be a multiple of Hkv=2"):
-        attention_block(torch.randn(2, 3, 3, 16), k, v, kc, vc, slots, lens, SCALE)
-    with pytest.raises(ValueError, match="attention_block: Kb=0 block rows"):
-        attention_block(q[:, :0], k[:, :0], v[:, :0], kc, vc, slots, lens, SCALE)
-    with pytest.raises(ValueError, match="attention_block: RoPE needs an even head dim"):
-        attention_block(q[..., :15], k[..., :15], v[..., :15], kc[..., :15], vc[..., :15], slots, lens, SCALE, 1e4)
-    # a block longer than the cache view is fine: its rows are never stored
-    o = attention_block(torch.randn(2, 5, 4, 16), torch.randn(2, 5, 2, 16), torch.randn(2, 5, 2, 16),
-                        kc[:, :4], vc[:, :4], slots, torch.tensor([4, 0]), SCALE)
-    assert o.shape == (2, 5, 4, 16)
+    with torch.device(device):  # the tensors made below live on the device under test, as the engine's do
+        q, k, v = torch.randn(2, 3, 4, 16), torch.randn(2, 3, 2, 16), torch.randn(2, 3, 2, 16)
+        kc, vc = _cache(3, 32, 2, 16, device)
+        slots, lens = torch.tensor([0, 2]), torch.tensor([4, 32])
+        with pytest.raises(ValueError, match="attention_block: Hq=3 must be a multiple of Hkv=2"):
+            attention_block(torch.randn(2, 3, 3, 16), k, v, kc, vc, slots, lens, SCALE)
+        with pytest.raises(ValueError, match="attention_block: Kb=0 block rows"):
+            attention_block(q[:, :0], k[:, :0], v[:, :0], kc, vc, slots, lens, SCALE)
+        with pytest.raises(ValueError, match="attention_block: RoPE needs an even head dim"):
+            attention_block(q[..., :15], k[..., :15], v[..., :15], kc[..., :15], vc[..., :15], slots, lens, SCALE, 1e4)
+        # a block longer than the cache view is fine: its rows are never stored
+        o = attention_block(torch.randn(2, 5, 4, 16), torch.randn(2, 5, 2, 16), torch.randn(2, 5, 2, 16),
+                            kc[:, :4], vc[:, :4], slots, torch.tensor([4, 0]), SCALE)
+        assert o.shape == (2, 5, 4, 16)
 
 
 def test_attention_half_precision(device):

@@ -38,17 +38,18 @@ def test_gather_rows_matches_reference(device, Bsz, K, D):
 
 
 def test_gather_rows_rejects_bad_shapes(device):
-    src = torch.randn(3, 4, 8, device=device)
-    with pytest.raises(ValueError, match="gather_rows: src"):
-        gather_rows(src[0], torch.zeros(3, dtype=torch.long))
-    with pytest.raises(ValueError, match="gather_rows: idx"):
-        gather_rows(src, torch.zeros(2, dtype=torch.long))
-    with pytest.raises(ValueError, match="gather_rows: idx"):
-        gather_rows(src, torch.zeros(3))
-    with pytest.raises(ValueError, match="gather_rows: idx must be contiguous"):  # the kernel reads idx[b] at b
-        gather_rows(src, torch.zeros(3, 2, dtype=torch.long, device=device)[:, 0])
-    with pytest.raises(ValueError, match="gather_rows: src must have a unit stride"):
-        gather_rows(src.transpose(1, 2), torch.zeros(3, dtype=torch.long, device=device))
+    with torch.device(device):  # the tensors made below live on the device under test, as the engine's do
+        src = torch.randn(3, 4, 8, device=device)
+        with pytest.raises(ValueError, match="gather_rows: src"):
+            gather_rows(src[0], torch.zeros(3, dtype=torch.long))
+        with pytest.raises(ValueError, match="gather_rows: idx"):
+            gather_rows(src, torch.zeros(2, dtype=torch.long))
+        with pytest.raises(ValueError, match="gather_rows: idx"):
+            gather_rows(src, torch.zeros(3))
+        with pytest.raises(ValueError, match="gather_rows: idx must be contiguous"):  # the kernel reads idx[b] at b
+            gather_rows(src, torch.zeros(3, 2, dtype=torch.long, device=device)[:, 0])
+        with pytest.raises(ValueError, match="gather_rows: src must have a unit stride"):
+            gather_rows(src.transpose(1, 2), torch.zeros(3, dtype=torch.long, device=device))
 
 
 # ---------------------------------------------------------------- verdict_greedy
@@ -184,12 +185,13 @@ def test_verdict_greedy_bitmask(device, Bsz, K, V, block_v, splits):
 
 
 def test_verdict_greedy_bitmask_rejects_bad_masks(device):
-    logits = torch.randn(2, 3, 50, device=device)
-    drafts, nd = torch.zeros(2, 2, dtype=torch.long, device=device), torch.zeros(2, dtype=torch.long, device=device)
-    with pytest.raises(ValueError, match=r"verdict_greedy: bitmask must be int32 \(2, 3, 2\)"):
-        verdict_greedy(logits, drafts, nd, torch.zeros(2, 3, 1, dtype=torch.int32, device=device))
-    with pytest.raises(ValueError, match="verdict_greedy: bitmask must be int32"):
-        verdict_greedy(logits, drafts, nd, torch.zeros(2, 3, 2, dtype=torch.int64, device=device))
+    with torch.device(device):  # the tensors made below live on the device under test, as the engine's do
+        logits = torch.randn(2, 3, 50, device=device)
+        drafts, nd = torch.zeros(2, 2, dtype=torch.long, device=device), torch.zeros(2, dtype=torch.long, device=device)
+        with pytest.raises(ValueError, match=r"verdict_greedy: bitmask must be int32 \(2, 3, 2\)"):
+            verdict_greedy(logits, drafts, nd, torch.zeros(2, 3, 1, dtype=torch.int32, device=device))
+        with pytest.raises(ValueError, match="verdict_greedy: bitmask must be int32"):
+            verdict_greedy(logits, drafts, nd, torch.zeros(2, 3, 2, dtype=torch.int64, device=device))
 
 
 @pytest.mark.parametrize("launcher, ref, names", [
@@ -202,15 +204,16 @@ def test_verdict_signatures(launcher, ref, names):
 
 
 def test_verdict_greedy_rejects_bad_shapes(device):
-    logits = torch.randn(2, 3, 50, device=device)
-    with pytest.raises(ValueError, match="verdict_greedy: drafts"):
-        verdict_greedy(logits, torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, dtype=torch.long))
-    with pytest.raises(ValueError, match="verdict_greedy: nd"):
-        verdict_greedy(logits, torch.zeros(2, 2, dtype=torch.long), torch.zeros(3, dtype=torch.long))
-    with pytest.raises(ValueError, match="verdict_greedy: nd must be contiguous"):
-        verdict_greedy(logits, torch.zeros(2, 2, dtype=torch.long), torch.zeros(2, 2, dtype=torch.long)[:, 0])
-    with pytest.raises(ValueError, match="verdict_greedy: logits"):
-        verdict_greedy(logits[0], torch.zeros(2, 2, dtype=torch.long), torch.zeros(2, dtype=torch.long))
+    with torch.device(device):  # the tensors made below live on the device under test, as the engine's do
+        logits = torch.randn(2, 3, 50, device=device)
+        with pytest.raises(ValueError, match="verdict_greedy: drafts"):
+            verdict_greedy(logits, torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, dtype=torch.long))
+        with pytest.raises(ValueError, match="verdict_greedy: nd"):
+            verdict_greedy(logits, torch.zeros(2, 2, dtype=torch.long), torch.zeros(3, dtype=torch.long))
+        with pytest.raises(ValueError, match="verdict_greedy: nd must be contiguous"):
+            verdict_greedy(logits, torch.zeros(2, 2, dtype=torch.long), torch.zeros(2, 2, dtype=torch.long)[:, 0])
+        with pytest.raises(ValueError, match="verdict_greedy: logits"):
+            verdict_greedy(logits[0], torch.zeros(2, 2, dtype=torch.long), torch.zeros(2, dtype=torch.long))
 
 
 # ---------------------------------------------------------------- verdict_sample
@@ -327,20 +330,21 @@ def test_verdict_sample_is_lossless(device):
 
 
 def test_verdict_sample_rejects_bad_shapes(device):
-    Bsz, K, V = 2, 3, 10
-    logits, q, drafts, nd, u, temp, top_k, top_p = _sample_inputs(Bsz, K, V, device)
-    with pytest.raises(ValueError, match="verdict_sample: draft_probs"):
-        verdict_sample(logits, q[:, :1], drafts, nd, u, temp, top_k, top_p)
-    with pytest.raises(ValueError, match="verdict_sample: logits must be floating point"):
-        verdict_sample(logits.long(), q, drafts, nd, u, temp, top_k, top_p)
-    with pytest.raises(ValueError, match="drafts"):
-        verdict_sample(logits, q, drafts.float(), nd, u, temp, top_k, top_p)
-    with pytest.raises(ValueError, match="uniforms"):
-        verdict_sample(logits, q, drafts, nd, u[:, :2], temp, top_k, top_p)
-    with pytest.raises(ValueError, match="uniforms"):
-        verdict_sample(logits, q, drafts, nd, u.half(), temp, top_k, top_p)
-    with pytest.raises(ValueError, match="top_p"):
-        verdict_sample(logits, q, drafts, nd, u, temp, top_k, top_p[:1])
+    with torch.device(device):  # the tensors made below live on the device under test, as the engine's do
+        Bsz, K, V = 2, 3, 10
+        logits, q, drafts, nd, u, temp, top_k, top_p = _sample_inputs(Bsz, K, V, device)
+        with pytest.raises(ValueError, match="verdict_sample: draft_probs"):
+            verdict_sample(logits, q[:, :1], drafts, nd, u, temp, top_k, top_p)
+        with pytest.raises(ValueError, match="verdict_sample: logits must be floating point"):
+            verdict_sample(logits.long(), q, drafts, nd, u, temp, top_k, top_p)
+        with pytest.raises(ValueError, match="drafts"):
+            verdict_sample(logits, q, drafts.float(), nd, u, temp, top_k, top_p)
+        with pytest.raises(ValueError, match="uniforms"):
+            verdict_sample(logits, q, drafts, nd, u[:, :2], temp, top_k, top_p)
+        with pytest.raises(ValueError, match="uniforms"):
+            verdict_sample(logits, q, drafts, nd, u.half(), temp, top_k, top_p)
+        with pytest.raises(ValueError, match="top_p"):
+            verdict_sample(logits, q, drafts, nd, u, temp, top_k, top_p[:1])
 
 
 # ---------------------------------------------------------------- launcher checks
