@@ -313,7 +313,7 @@ def test_verdict_sample_is_lossless(device):
     uniforms = torch.rand(Bsz, K, generator=gen).to(device)
 
     na, token = verdict_sample(logits, q, drafts, nd, uniforms, temperature, top_k, top_p)
-    p = sampling_probs_ref(t_logits[None], temperature[:1], top_k[:1], top_p[:1])[0].to(device)  # (K, V)
+    p = sampling_probs_ref(t_logits[None].to(device), temperature[:1], top_k[:1], top_p[:1])[0]  # (K, V)
     emitted = torch.cat([drafts, torch.full((Bsz, 1), -1, device=device)], 1)
     emitted[torch.arange(Bsz, device=device), na] = token  # emitted[b, :na+1] are the step's tokens
     for j in range(K):
