@@ -195,7 +195,7 @@ def test_drafts_equal_nocache_recomputation(ckpt):
 
     llm = LLM(ckpt, proposer="dflash", num_drafts=3, max_batch=2)
     model, drafter = llm.model, llm.proposer.drafter
-    cfg, taps = drafter.cfg, drafter.cfg.target_layer_ids
+    cfg, taps, dev = drafter.cfg, drafter.cfg.target_layer_ids, llm.runner.device
     seqs = [llm.scheduler.add(llm.tokenizer.encode(p), SamplingParams(max_new_tokens=40, ignore_eos=True))
             for p in PROMPTS[:2]]
     for _ in range(6):
@@ -203,13 +203,13 @@ def test_drafts_equal_nocache_recomputation(ckpt):
         for s in seqs:
             if s.finished:
                 continue
-            x = torch.tensor(s.tokens)
+            x = torch.tensor(s.tokens, device=dev)
             n = len(x)
-            ctx = torch.empty(1, n - 1, len(taps) * cfg.hidden_size)
+            ctx = torch.empty(1, n - 1, len(taps) * cfg.hidden_size, device=dev)
             model.hidden(x[None, : n - 1], taps, ctx)
-            block = torch.tensor([[s.tokens[-1]] + [cfg.mask_token_id] * (cfg.block_size - 1)])
+            block = torch.tensor([[s.tokens[-1]] + [cfg.mask_token_id] * (cfg.block_size - 1)], device=dev)
             h = drafter(model.model.embed_tokens(block) * cfg.input_embedding_scale, ctx,
-                        torch.arange(n - 1 + cfg.block_size)[None])
+                        torch.arange(n - 1 + cfg.block_size, device=dev)[None])
             want = model.logits(h[0, 1:4]).argmax(-1).tolist()
             assert llm.proposer.draft([s], 3, None).tokens[0].tolist() == want
 

@@ -107,7 +107,7 @@ def test_mtp_drafts_equal_nocache_recomputation(ckpt):
         for s in seqs:
             if s.finished:
                 continue
-            x = torch.tensor(s.tokens)
+            x = torch.tensor(s.tokens, device=llm.runner.device)
             n = len(x)
             h = model.hidden(x[None, : n - 1])  # (1, n-1, D)
             H, NX, want = h, x[None, 1:], []
@@ -160,7 +160,7 @@ def test_stream_yields_the_generated_text(ckpt):
 def test_logprobs_match_the_target(ckpt, plain):
     llm = LLM(ckpt, proposer="mtp", num_drafts=3)
     out = llm.generate(PROMPTS[0], SamplingParams(max_new_tokens=10, ignore_eos=True, logprobs=2))[0]
-    ids = torch.tensor(llm.tokenizer.encode(PROMPTS[0]) + out.token_ids)
+    ids = torch.tensor(llm.tokenizer.encode(PROMPTS[0]) + out.token_ids, device=llm.runner.device)
     with torch.no_grad():
         lp = torch.log_softmax(llm.model(ids[None])[0].float(), -1)  # (T, V)
     P = len(ids) - len(out.token_ids)

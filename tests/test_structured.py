@@ -171,7 +171,7 @@ def enumerate_outputs(llm, prompt: list, masked: bool) -> dict:
         if c.stopped:
             out[tuple(path)] = prob
             return
-        logits = llm.model(torch.tensor(prompt + path)[None])[0, -1]
+        logits = llm.model(torch.tensor(prompt + path, device=llm.runner.device)[None])[0, -1]
         allowed = unpack_bitmask(c.mask(), V)
         p = filtered(logits.masked_fill(~allowed, float("-inf")) if masked else logits, **PARAMS, top_k=0)
         for t in allowed.nonzero()[:, 0].tolist():
