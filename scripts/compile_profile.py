@@ -1,0 +1,95 @@
+"""Where a compiled verify's time goes, beside the eager one and the matmul floor (docs/BENCHMARKS.md).
+
+    python scripts/compile_profile.py [--model DIR] [--k 1 4] [--threads 1] [--top 8]
+
+For each K (rows per sequence, batch 1), in one process, interleaved:
+  - eager ms: HybridLM.verify as the engine runs it without compile;
+  - compiled ms: the same call through LLM(compile=True)'s CompiledVerify (its first call's compile time beside);
+  - matmul floor ms: every linear of the target and the tied lm_head alone, at K rows: the least a step
+    that reads every weight once through torch's matmul can cost;
+  - stream ms: one pass (a sum) over as many bytes as those weights, what one core's memory bandwidth allows;
+then the compiled call's ops by self CPU time (torch.profiler), per call.
+
+    matmul GB/s = weight bytes / matmul floor time
+"""
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
+
+from nano_spec.llm import LLM, shipped_weights
+
+
+def median_ms(fn, calls: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - t0) / calls * 1e3
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", help="checkpoint directory (default: the shipped weights)")
+    p.add_argument("--k", type=int, nargs="+", default=[1, 4], help="rows per sequence of the verifies timed")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds; medians are reported")
+    p.add_argument("--calls", type=int, default=20, help="calls per round")
+    p.add_argument("--top", type=int, default=8, help="ops listed from the compiled call's profile")
+    args = p.parse_args(argv)
+    if min(args.k) < 1 or args.rounds < 1 or args.calls < 1:
+        p.error("--k, --rounds and --calls must be at least 1")
+    model = Path(args.model) if args.model else shipped_weights()
+    # n-gram sizes the caches for K rows and needs no weights of its own
+    kw = dict(backend="torch", device="cpu", max_batch=1, proposer="ngram", num_drafts=max(args.k) - 1 or 1)
+    eager, compiled = LLM(str(model), **kw), LLM(str(model), compile=True, **kw)
+    torch.set_num_threads(args.threads)  # after LLM(), which may set its own default
+    m = eager.model
+    weights = [mod.weight for name, mod in m.named_modules()
+               if isinstance(mod, torch.nn.Linear) and not name.startswith("mtp")] + [m.model.embed_tokens.weight]
+    nbytes = sum(w.numel() * w.element_size() for w in weights)
+    flat = torch.empty(nbytes // 4).normal_()
+    rows = []
+    with torch.no_grad():
+        for K in args.k:
+            ids = torch.randint(0, m.cfg.vocab_size, (1, K))
+            slots, seq_lens = torch.tensor([0]), torch.tensor([32])
+            xs = [torch.randn(1, K, w.shape[1]) for w in weights]
+            t0 = time.perf_counter()
+            compiled.runner.compiled(ids, slots, seq_lens, 32 + K)
+            compile_s = time.perf_counter() - t0
+            timed = {
+                "eager": lambda: m.verify(ids, slots, seq_lens, eager.runner.cache, 32 + K),
+                "compiled": lambda: compiled.runner.compiled(ids, slots, seq_lens, 32 + K),
+                "matmul floor": lambda: [F.linear(x, w) for x, w in zip(xs, weights)],
+                "stream": lambda: flat.sum(),
+            }
+            ms = {name: [] for name in timed}
+            for _ in range(args.rounds):
+                for name, fn in timed.items():
+                    ms[name].append(median_ms(fn, args.calls))
+            row = {"K": K, "compile_s": compile_s, **{f"{n} ms": statistics.median(v) for n, v in ms.items()},
+                   "weight_MiB": nbytes / 2**20}
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(args.calls):
+                    timed["compiled"]()
+            top = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[: args.top]
+            row["compiled_ops"] = [{"op": e.key, "calls_per_step": e.count / args.calls,
+                                    "self_ms_per_step": e.self_cpu_time_total / 1e3 / args.calls} for e in top]
+            rows.append(row)
+            print(f"K={K}: eager {row['eager ms']:.2f} ms, compiled {row['compiled ms']:.2f} ms "
+                  f"(first call {compile_s:.1f} s), matmul floor {row['matmul floor ms']:.2f} ms "
+                  f"({nbytes / row['matmul floor ms'] / 1e6:.1f} GB/s over {row['weight_MiB']:.1f} MiB of weights), "
+                  f"stream {row['stream ms']:.2f} ms ({nbytes / row['stream ms'] / 1e6:.1f} GB/s)")
+            for op in row["compiled_ops"]:
+                print(f"    {op['op'][:48]:<48} {op['calls_per_step']:>6.1f} calls  {op['self_ms_per_step']:>7.3f} ms")
+    print(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
