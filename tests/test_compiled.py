@@ -85,3 +85,22 @@ def test_compile_profile_script(ckpt, capsys):
     (row,) = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert 0 < row["matmul floor ms"] < row["eager ms"] and row["compiled ms"] > 0 and row["K"] == 2
     assert any(op["op"] == "aten::mm" for op in row["compiled_ops"])
+
+
+def test_step_profile_compiled_rows(ckpt, capsys):
+    """scripts/step_profile.py --compile profiles each row eager and compiled: the same phases, and the compiled
+    verify runs fewer ops (inductor's fused kernels counted one each) than the eager one."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import step_profile
+
+    (ckpt / "eval_prompts.jsonl").write_text(json.dumps({"prompt": "def f(x):"}) + "\n")
+    step_profile.main(["--model", str(ckpt), "--batch", "1", "--gammas", "0", "--max-new-tokens", "4", "--runs", "1",
+                       "--compile"])
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    by = {(r["mode"], r["phase"]): r for r in rows}
+    assert {p for m, p in by if m == "eager"} == {p for m, p in by if m == "compiled"} >= {"prefill", "verify"}
+    assert 0 < by["compiled", "verify"]["ops_per_call"] < by["eager", "verify"]["ops_per_call"]
