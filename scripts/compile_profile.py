@@ -26,7 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 from nano_spec.llm import LLM, shipped_weights
 
 
-def median_ms(fn, calls: int) -> float:
+def mean_ms(fn, calls: int) -> float:
     t0 = time.perf_counter()
     for _ in range(calls):
         fn()
@@ -72,7 +72,7 @@ def main(argv=None):
             ms = {name: [] for name in timed}
             for _ in range(args.rounds):
                 for name, fn in timed.items():
-                    ms[name].append(median_ms(fn, args.calls))
+                    ms[name].append(mean_ms(fn, args.calls))
             row = {"K": K, "compile_s": compile_s, **{f"{n} ms": statistics.median(v) for n, v in ms.items()},
                    "weight_MiB": nbytes / 2**20}
             with profile(activities=[ProfilerActivity.CPU]) as prof:

@@ -58,9 +58,9 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def profile(llm, prompts, params, runs: int, counter=OpCounter) -> dict:
+def profile(llm, prompts, params, runs: int, counter_type=OpCounter) -> dict:
     """{phase: {"calls", "ops_per_call", "ms_per_call"}} over the steps of generating `prompts`."""
-    timed, counter_type = llm.telemetry.phase, counter
+    timed = llm.telemetry.phase
     ops, calls, secs = {}, {}, {}
     counting = False
 
@@ -115,7 +115,7 @@ def main(argv=None):
 
 def profile_rows(args, model, prompts, params) -> list:
     """Every (batch, γ) row profiled, eager and, with --compile, compiled; printed as they come."""
-    rows = []
+    rows, counter_type = [], ProfiledOps if args.compile else OpCounter
     for b in args.batch:
         for g in args.gammas:
             kind = args.proposer if g else "none"
@@ -123,8 +123,7 @@ def profile_rows(args, model, prompts, params) -> list:
                 llm = LLM(str(model), backend="torch", max_batch=b, num_drafts=g, proposer=kind, compile=compiled)
                 torch.set_num_threads(args.threads)  # after LLM(), which may set its own default
                 mode = "compiled" if compiled else "eager"
-                counter = ProfiledOps if args.compile else OpCounter
-                for name, r in profile(llm, prompts[:b], params, args.runs, counter).items():
+                for name, r in profile(llm, prompts[:b], params, args.runs, counter_type).items():
                     rows.append({"batch": b, "gamma": g, "proposer": kind, "mode": mode, "phase": name, **r})
                     print(f"batch {b:>2} γ={g} {kind:<6} {mode:<8} {name:<8} calls {r['calls']:>4}  "
                           f"ops/call {r['ops_per_call']:>7.1f}  ms/call {r['ms_per_call']:>7.2f}")

@@ -1,6 +1,20 @@
-"""Test helpers: one comparison (max abs and relative error), tiny models and checkpoints, launcher refusals."""
+"""Test helpers: one comparison (max abs and relative error), tiny models and checkpoints, launcher refusals,
+the scripts as modules."""
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def load_script(name: str):
+    """scripts/<name>.py as a module (scripts/ is not a package), so a test calls its main(argv) in process."""
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def assert_close(name: str, ref: torch.Tensor, out: torch.Tensor, atol: float = 1e-4, rtol_scale: bool = True):

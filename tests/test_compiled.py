@@ -6,7 +6,7 @@ whole file compiles the buckets B in {1, 2, 4} x K <= γ_max + 1 of each propose
 import pytest
 import torch
 
-from helpers import tiny_checkpoint
+from helpers import load_script, tiny_checkpoint
 from nano_spec import LLM, SamplingParams
 from nano_spec.compiled import bucket
 
@@ -75,13 +75,8 @@ def test_compile_profile_script(ckpt, capsys):
     """scripts/compile_profile.py on the tiny model: the step's matmuls alone cost less than the whole eager verify
     that contains them, and the compiled call's profile lists its matmuls."""
     import json
-    import sys
-    from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    import compile_profile
-
-    compile_profile.main(["--model", str(ckpt), "--k", "2", "--rounds", "3", "--calls", "3", "--top", "40"])
+    load_script("compile_profile").main(["--model", str(ckpt), "--k", "2", "--rounds", "3", "--calls", "3", "--top", "40"])
     (row,) = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert 0 < row["matmul floor ms"] < row["eager ms"] and row["compiled ms"] > 0 and row["K"] == 2
     assert any(op["op"] == "aten::mm" for op in row["compiled_ops"])
@@ -91,14 +86,9 @@ def test_step_profile_compiled_rows(ckpt, capsys):
     """scripts/step_profile.py --compile profiles each row eager and compiled: the same phases, and the compiled
     verify runs fewer ops (inductor's fused kernels counted one each) than the eager one."""
     import json
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    import step_profile
 
     (ckpt / "eval_prompts.jsonl").write_text(json.dumps({"prompt": "def f(x):"}) + "\n")
-    step_profile.main(["--model", str(ckpt), "--batch", "1", "--gammas", "0", "--max-new-tokens", "4", "--runs", "1",
+    load_script("step_profile").main(["--model", str(ckpt), "--batch", "1", "--gammas", "0", "--max-new-tokens", "4", "--runs", "1",
                        "--compile"])
     rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     by = {(r["mode"], r["phase"]): r for r in rows}

@@ -185,13 +185,12 @@ def test_verdict_greedy_bitmask(device, Bsz, K, V, block_v, splits):
 
 
 def test_verdict_greedy_bitmask_rejects_bad_masks(device):
-    with torch.device(device):  # the tensors made below live on the device under test, as the engine's do
-        logits = torch.randn(2, 3, 50, device=device)
-        drafts, nd = torch.zeros(2, 2, dtype=torch.long, device=device), torch.zeros(2, dtype=torch.long, device=device)
-        with pytest.raises(ValueError, match=r"verdict_greedy: bitmask must be int32 \(2, 3, 2\)"):
-            verdict_greedy(logits, drafts, nd, torch.zeros(2, 3, 1, dtype=torch.int32, device=device))
-        with pytest.raises(ValueError, match="verdict_greedy: bitmask must be int32"):
-            verdict_greedy(logits, drafts, nd, torch.zeros(2, 3, 2, dtype=torch.int64, device=device))
+    logits = torch.randn(2, 3, 50, device=device)
+    drafts, nd = torch.zeros(2, 2, dtype=torch.long, device=device), torch.zeros(2, dtype=torch.long, device=device)
+    with pytest.raises(ValueError, match=r"verdict_greedy: bitmask must be int32 \(2, 3, 2\)"):
+        verdict_greedy(logits, drafts, nd, torch.zeros(2, 3, 1, dtype=torch.int32, device=device))
+    with pytest.raises(ValueError, match="verdict_greedy: bitmask must be int32"):
+        verdict_greedy(logits, drafts, nd, torch.zeros(2, 3, 2, dtype=torch.int64, device=device))
 
 
 @pytest.mark.parametrize("launcher, ref, names", [
@@ -330,21 +329,20 @@ def test_verdict_sample_is_lossless(device):
 
 
 def test_verdict_sample_rejects_bad_shapes(device):
-    with torch.device(device):  # the tensors made below live on the device under test, as the engine's do
-        Bsz, K, V = 2, 3, 10
-        logits, q, drafts, nd, u, temp, top_k, top_p = _sample_inputs(Bsz, K, V, device)
-        with pytest.raises(ValueError, match="verdict_sample: draft_probs"):
-            verdict_sample(logits, q[:, :1], drafts, nd, u, temp, top_k, top_p)
-        with pytest.raises(ValueError, match="verdict_sample: logits must be floating point"):
-            verdict_sample(logits.long(), q, drafts, nd, u, temp, top_k, top_p)
-        with pytest.raises(ValueError, match="drafts"):
-            verdict_sample(logits, q, drafts.float(), nd, u, temp, top_k, top_p)
-        with pytest.raises(ValueError, match="uniforms"):
-            verdict_sample(logits, q, drafts, nd, u[:, :2], temp, top_k, top_p)
-        with pytest.raises(ValueError, match="uniforms"):
-            verdict_sample(logits, q, drafts, nd, u.half(), temp, top_k, top_p)
-        with pytest.raises(ValueError, match="top_p"):
-            verdict_sample(logits, q, drafts, nd, u, temp, top_k, top_p[:1])
+    Bsz, K, V = 2, 3, 10
+    logits, q, drafts, nd, u, temp, top_k, top_p = _sample_inputs(Bsz, K, V, device)
+    with pytest.raises(ValueError, match="verdict_sample: draft_probs"):
+        verdict_sample(logits, q[:, :1], drafts, nd, u, temp, top_k, top_p)
+    with pytest.raises(ValueError, match="verdict_sample: logits must be floating point"):
+        verdict_sample(logits.long(), q, drafts, nd, u, temp, top_k, top_p)
+    with pytest.raises(ValueError, match="drafts"):
+        verdict_sample(logits, q, drafts.float(), nd, u, temp, top_k, top_p)
+    with pytest.raises(ValueError, match="uniforms"):
+        verdict_sample(logits, q, drafts, nd, u[:, :2], temp, top_k, top_p)
+    with pytest.raises(ValueError, match="uniforms"):
+        verdict_sample(logits, q, drafts, nd, u.half(), temp, top_k, top_p)
+    with pytest.raises(ValueError, match="top_p"):
+        verdict_sample(logits, q, drafts, nd, u, temp, top_k, top_p[:1])
 
 
 # ---------------------------------------------------------------- launcher checks

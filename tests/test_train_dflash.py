@@ -1,5 +1,4 @@
 """scripts/train_dflash.py: a DFlash drafter trained for a frozen target, written where the engine reads it."""
-import importlib.util
 import json
 import subprocess
 import sys
@@ -8,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import assert_close, tiny_checkpoint, tiny_config
+from helpers import assert_close, load_script, tiny_checkpoint, tiny_config
 from nano_spec.dflash import DFlashConfig, DFlashDrafter, load_drafter
 from nano_spec.llm import LLM
 from nano_spec.ops import Ops
@@ -25,13 +24,6 @@ def train_dflash(*args):
     return subprocess.run([sys.executable, str(ROOT / "scripts" / "train_dflash.py"), *map(str, args)], cwd=ROOT,
                           capture_output=True, text=True, timeout=300,
                           env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("train_dflash", ROOT / "scripts" / "train_dflash.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +73,7 @@ def test_engine_drafts_with_it(trained):
 def test_stacked_anchors_equal_one_forward_per_anchor():
     """The training forward (every anchor's block stacked, block_mask) equals a draft forward per anchor on the
     context cut at the anchor, with no mask: the same rows within 1e-5."""
-    script = load_script()
+    script = load_script("train_dflash")
     cfg = tiny_config()
     drafter = DFlashDrafter(DFlashConfig.for_target(cfg, num_layers=2, block_size=4, mask_token_id=5), Ops("torch"))
     drafter.init_weights(std=0.2, seed=1).eval()
@@ -102,7 +94,7 @@ def test_stacked_anchors_equal_one_forward_per_anchor():
 
 
 def test_mask_rows():
-    mask = load_script().block_mask(torch.tensor([[1, 3]]), 5, 2)[0].int()
+    mask = load_script("train_dflash").block_mask(torch.tensor([[1, 3]]), 5, 2)[0].int()
     assert mask.tolist() == [[1, 0, 0, 0, 0, 1, 1, 0, 0],  # anchor 1: context position 0, its own block
                              [1, 0, 0, 0, 0, 1, 1, 0, 0],
                              [1, 1, 1, 0, 0, 0, 0, 1, 1],  # anchor 3: context 0..2, its own block
@@ -112,7 +104,7 @@ def test_mask_rows():
 def test_refusals_are_one_line(trained, tmp_path, capsys):
     """Bad values and outputs that would destroy something: exit 2, one line naming the flag, nothing written."""
     base, out, corpus, _ = trained
-    script = load_script()
+    script = load_script("train_dflash")
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep")
     small = [str(a) for a in SMALL]

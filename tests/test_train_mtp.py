@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from helpers import tiny_checkpoint
+from helpers import load_script, tiny_checkpoint
 from nano_spec.llm import LLM
 from nano_spec.sampling import SamplingParams
 from nano_spec.weights import load_model
@@ -74,11 +74,7 @@ def test_engine_runs_the_trained_head_losslessly(trained):
 
 
 def test_refusals_name_the_problem(trained, tmp_path, capsys):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("train_mtp", ROOT / "scripts" / "train_mtp.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("train_mtp")
     base, out, _ = trained
     for args, message in [(["--base", out, "--out", tmp_path / "again"], "num_nextn_predict_layers: "),  # has a head
                           (["--base", base, "--out", base / "inside"], "--out: "),
@@ -90,11 +86,7 @@ def test_refusals_name_the_problem(trained, tmp_path, capsys):
 
 def test_init_head_refusals_are_one_line(tmp_path, capsys):
     """--init-head that is missing, not a checkpoint, headless or of another shape: exit 2, one line naming the flag."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("train_mtp", ROOT / "scripts" / "train_mtp.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("train_mtp")
     base = tiny_checkpoint(tmp_path / "base", seed=3, num_nextn_predict_layers=0)
     wide = tiny_checkpoint(tmp_path / "wide", seed=4, num_nextn_predict_layers=1, hidden_size=96)
     (tmp_path / "corpus.txt").write_text(CORPUS)
