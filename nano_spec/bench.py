@@ -5,14 +5,21 @@ At each batch size it builds one engine per configuration: plain decoding (γ = 
 each budget γ = 1 .. Bk-1 and auto, n-gram at γ = 3 and, with --vs-transformers, transformers'
 GraniteMoeHybridForCausalLM.generate on the same base weights. It warms each up, then times
 them in turn for --repeats rounds in one process, checks that every greedy output equals
-plain decoding's (exit status 1 with the first difference when one does not), and prints a table,
-the targets of the README and, last, one JSON line.
+plain decoding's (exit status 1 with the first differing prompt and token when one does not), and
+prints a table, the targets of the README and, last, one JSON line.
 With --json-schema FILE every nano_spec configuration also runs under that schema
 ("+schema"), its outputs checked against plain decoding under the same schema.
+With --compile every nano_spec configuration also runs with LLM(compile=True) ("+compiled", backend
+torch), warmed up on the whole prompt set so that no graph compiles inside a timed round.
+With --vs-llama-cpp MODEL.gguf, at batch 1, llama-cpp-python decodes the same token ids, one prompt at
+a time, on a GGUF of the same base weights (docs/BENCHMARKS.md, "Beside llama.cpp").
 
-    speedup = tokens/s / tokens/s of plain decoding at the same batch size
+    speedup = tokens/s / tokens/s of (eager) plain decoding at the same batch size
     tokens/s from the median wall time of the rounds; CPU seconds (all threads) beside it
     step speedup = the same ratio over the step phases only (no prefill): what the planner predicts
+    decode tokens/s = (tokens - prompts) / decode seconds: the tokens after each prompt's first, over the
+        step phases (nano_spec: the median over rounds, as for step speedup; llama.cpp: from each prompt's
+        first token to its last, summed); none for transformers
 """
 import argparse
 import json
@@ -51,6 +58,15 @@ TARGETS = (
     ("dflash auto vs plain, batch 1", 1.6, lambda t: ratio(t, 1, "dflash γ=auto", "plain")),
     ("dflash auto vs plain, batch 8", 1.25, lambda t: ratio(t, 8, "dflash γ=auto", "plain")),
     ("dflash auto vs MTP auto, batch 1", 1.1, lambda t: ratio(t, 1, "dflash γ=auto", "mtp γ=auto")),
+    # the compiled step (docs/DESIGN.md §12) and llama.cpp beside it
+    ("compiled plain vs eager plain, decode tokens/s, batch 1", 2.5,
+     lambda t: decode_ratio(t, 1, "plain +compiled", "plain")),
+    ("compiled auto vs llama.cpp plain, decode tokens/s, batch 1", 1.0,
+     lambda t: decode_ratio(t, 1, "mtp γ=auto +compiled", "llama.cpp")),
+    ("compiled auto vs compiled plain, batch 1", 1.5,
+     lambda t: ratio(t, 1, "mtp γ=auto +compiled", "plain +compiled")),
+    ("compiled auto vs compiled plain, batch 8", 1.2,
+     lambda t: ratio(t, 8, "mtp γ=auto +compiled", "plain +compiled")),
 )
 
 
@@ -64,12 +80,23 @@ def stat_ratio(table, b, a, c, key):
     return rows[a][key] / rows[c][key] if a in rows and c in rows and rows[a][key] and rows[c][key] else None
 
 
+def decode_ratio(table, b, a, c):
+    return stat_ratio(table, b, a, c, "decode_tokens_per_s")
+
+
+def first_difference(a, b):
+    """(prompt, token) of the first difference between two lists of outputs (token id lists)."""
+    i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    x, y = a[i] if i < len(a) else [], b[i] if i < len(b) else []
+    return i, next((j for j, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
+
+
 def worst(values):
     return min((v for v in values if v is not None), default=None)
 
 
 def best_fixed(rows):
-    return max((c for c in rows if c == "plain" or c.startswith("mtp γ=") and c != "mtp γ=auto"),
+    return max((c for c in rows if c == "plain" or c.removeprefix("mtp γ=").isdigit()),
                key=lambda c: rows[c]["tokens_per_s"])
 
 
@@ -91,7 +118,12 @@ def parse_args(argv):
     p.add_argument("--repeats", type=int, default=3, help="timed rounds; the median is reported")
     p.add_argument("--threads", type=int, help="torch threads (default: the engine's rule, see README)")
     p.add_argument("--backend", default="auto")
-    p.add_argument("--compile", action="store_true", help="the verify through torch.compile (backend torch)")
+    p.add_argument("--compile", action="store_true",
+                   help="also run each configuration compiled ('+compiled', LLM(compile=True)), always on backend "
+                        "torch whatever --backend says; speedups stay against eager plain")
+    p.add_argument("--vs-llama-cpp", metavar="MODEL.gguf",
+                   help="also time llama-cpp-python's plain decoding at batch 1 on this GGUF of the same base "
+                        "weights (scripts/export_gguf.py)")
     p.add_argument("--device", default="auto")
     p.add_argument("--plot", help="write a PNG of tau and speedup vs γ and accept_at by position")
     p.add_argument("--json-schema", metavar="FILE", help="also run every configuration under this JSON schema")
@@ -134,11 +166,12 @@ def load_prompts(args, model_dir: Path) -> list:
 class Engine:
     """One nano_spec configuration: generate() -> token ids per prompt, stats of the last call."""
 
-    def __init__(self, model_dir, proposer, gamma, batch, args, schema=None):
-        self.name = ("plain" if proposer == "none" else f"{proposer} γ={gamma}") + (" +schema" if schema else "")
-        self.proposer, self.gamma, self.schema = proposer, gamma, schema
-        self.llm = LLM(model_dir, backend=args.backend, device=args.device, max_batch=batch, num_drafts=gamma,
-                       proposer=proposer, threads=args.threads, compile=args.compile)
+    def __init__(self, model_dir, proposer, gamma, batch, args, schema=None, compiled=False):
+        self.name = ("plain" if proposer == "none" else f"{proposer} γ={gamma}") + (" +schema" if schema else "") \
+            + (" +compiled" if compiled else "")
+        self.proposer, self.gamma, self.schema, self.compiled = proposer, gamma, schema, compiled
+        self.llm = LLM(model_dir, backend="torch" if compiled else args.backend, device=args.device, max_batch=batch,
+                       num_drafts=gamma, proposer=proposer, threads=args.threads, compile=compiled)
 
     def generate(self, ids, max_new_tokens):
         self.llm.telemetry.reset()  # the planner keeps learning across rounds, as in a server
@@ -189,15 +222,64 @@ class Transformers:
                 "propose_ms_per_step": None}
 
 
+class LlamaCpp:
+    """llama-cpp-python's plain decoding of a GGUF, greedy, one prompt at a time (it decodes one sequence)."""
+    name, proposer, gamma = "llama.cpp", "none", 0
+
+    @staticmethod
+    def check(path):
+        """Refuse before any engine is built: llama-cpp-python missing, or no such file."""
+        try:
+            import llama_cpp  # noqa: F401
+        except (ImportError, OSError, RuntimeError) as e:  # a wheel whose shared library fails to load raises too
+            raise ImportError(f"--vs-llama-cpp needs llama-cpp-python ({type(e).__name__} on import; "
+                              "pip install llama-cpp-python==0.3.36 builds it, see docs/BENCHMARKS.md, "
+                              "\"Beside llama.cpp\")") from None
+        if not Path(path).is_file():
+            raise ValueError(f"--vs-llama-cpp: {path} is not a file (scripts/export_gguf.py writes one)")
+
+    def __init__(self, path, n_ctx):
+        import llama_cpp
+
+        threads = torch.get_num_threads()  # as many as the nano_spec engines use, prefill included
+        self.llm = llama_cpp.Llama(model_path=str(path), n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx,
+                                   verbose=False)
+        self.decode_s = 0.0
+
+    def generate(self, ids, max_new_tokens):
+        outs, self.decode_s = [], 0.0
+        for prompt in ids:
+            self.llm.reset()
+            out = []
+            # generate() reuses (clears) the list it is given; it never stops at EOS, as ignore_eos
+            for token in self.llm.generate(list(prompt), temp=0.0, top_k=1, repeat_penalty=1.0):
+                out.append(token)
+                if len(out) == 1:
+                    first = time.perf_counter()  # the prefill ends with the first token
+                if len(out) == max_new_tokens:
+                    break
+            self.decode_s += time.perf_counter() - first
+            outs.append(out)
+        return outs
+
+    def stats(self):
+        return {"steps_s": self.decode_s, "tau": None, "accept_at": None, "gamma_hist": None,
+                "predicted_speedup": None, "propose_ms_per_step": None}
+
+
 def measure(engines, ids, args) -> list:
-    """Warm every engine up, then time them in turn, args.repeats rounds (the order rotates)."""
+    """Warm every engine up, then time them in turn, args.repeats rounds (the order rotates).
+    A compiled engine warms up on the whole prompt set: each new shape bucket compiles a graph on first use."""
     for e in engines:
-        e.generate(ids[:1], 4)
+        if getattr(e, "compiled", False):
+            e.generate(ids, args.max_new_tokens)
+        else:
+            e.generate(ids[:1], 4)
     wall, cpu, steps = ({e.name: [] for e in engines} for _ in range(3))  # seconds per round
     outputs, stats = {}, {}  # of the last round, but steps_s is the median of steps_rounds
     for r in range(args.repeats):
         for e in engines[r % len(engines):] + engines[: r % len(engines)]:
-            print(f"\r  round {r + 1}/{args.repeats} {e.name:<14}", end="", file=sys.stderr, flush=True)
+            print(f"\r  round {r + 1}/{args.repeats} {e.name:<21}", end="", file=sys.stderr, flush=True)
             w0, c0 = time.perf_counter(), time.process_time()
             outputs[e.name] = e.generate(ids, args.max_new_tokens)
             wall[e.name].append(time.perf_counter() - w0)
@@ -209,11 +291,12 @@ def measure(engines, ids, args) -> list:
     for e in engines:
         name = e.name
         tokens, median_wall = sum(map(len, outputs[name])), statistics.median(wall[name])
+        steps_s = None if None in steps[name] else statistics.median(steps[name])
         rows.append({"config": name, "proposer": e.proposer, "gamma": e.gamma, "batch": None,
                      "threads": torch.get_num_threads(), "tokens": tokens, "wall_s": median_wall,
                      "cpu_s": statistics.median(cpu[name]), "tokens_per_s": tokens / median_wall,
                      "rounds_s": wall[name], **stats[name], "steps_rounds": steps[name], "outputs": outputs[name],
-                     "steps_s": None if None in steps[name] else statistics.median(steps[name])})
+                     "steps_s": steps_s, "decode_tokens_per_s": (tokens - len(ids)) / steps_s if steps_s else None})
     return rows
 
 
@@ -229,6 +312,8 @@ def main(argv=None) -> int:
         if any(g < 1 for g in args.gammas) or any(b < 1 for b in args.batch) or args.repeats < 1:
             raise ValueError("--gammas, --batch and --repeats take integers >= 1")
         dflash = [] if args.no_dflash else dflash_budgets(model_dir, args)
+        if args.vs_llama_cpp:
+            LlamaCpp.check(args.vs_llama_cpp)
         table = {}
         for b in args.batch:
             configs = [("none", 0)] + [("mtp", g) for g in args.gammas]
@@ -237,7 +322,10 @@ def main(argv=None) -> int:
             configs += [] if args.no_ngram else [("ngram", 3)]
             engines = [Engine(model_dir, p, g, b, args) for p, g in configs]
             engines += [Engine(model_dir, p, g, b, args, schema) for p, g in configs] if schema else []
+            engines += [Engine(model_dir, p, g, b, args, compiled=True) for p, g in configs] if args.compile else []
             ids = [engines[0].llm.tokenizer.encode(p) for p in prompts]
+            if args.vs_llama_cpp and b == 1:  # no BOS: the same ids as nano_spec's
+                engines.append(LlamaCpp(args.vs_llama_cpp, max(map(len, ids)) + args.max_new_tokens))
             if args.vs_transformers:
                 engines.append(Transformers(model_dir, b, next(engines[0].llm.model.parameters()).device))
             print(f"batch {b}: {len(engines)} configurations x {args.repeats} rounds", file=sys.stderr)
@@ -249,37 +337,41 @@ def main(argv=None) -> int:
     for r in rows:
         base = table[r["batch"]]["plain +schema" if r["config"].endswith("+schema") else "plain"]
         if r["outputs"] != base["outputs"]:  # the premise of every speedup below; an if, as python -O keeps it
-            i = next((i for i, (a, b) in enumerate(zip(r["outputs"], base["outputs"])) if a != b), 0)
+            i, j = first_difference(r["outputs"], base["outputs"])
             print(f"error: greedy outputs differ from {base['config']}: {r['config']} at batch {r['batch']}, "
-                  f"prompt {i}", file=sys.stderr)
+                  f"prompt {i}, token {j}", file=sys.stderr)
             return 1
         r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"]
         r["step_speedup"] = base["steps_s"] / r["steps_s"] if r["steps_s"] else None
     print(f"model {model_dir.name}, {len(prompts)} prompts x {args.max_new_tokens} new tokens, greedy, "
           f"median of {args.repeats} interleaved rounds; outputs identical to plain decoding: yes")
-    print("batch thr config         tokens/s  wall s   CPU s    tau  speedup  notes")
+    print("batch thr config                tokens/s  decode tok/s  wall s   CPU s    tau  speedup  notes")
     for r in rows:
         tau = f"{r['tau']:.3f}" if r["tau"] else "-"
         note = ""
         if r["propose_ms_per_step"] and r["proposer"] in ("mtp", "dflash"):
             note = f"propose {r['propose_ms_per_step']:.2f} ms/step"
-        if r["config"] in ("mtp γ=auto", "dflash γ=auto"):
+        if r["config"].removesuffix(" +compiled") in ("mtp γ=auto", "dflash γ=auto"):
             note += f"; steps only {r['step_speedup']:.2f}x, predicted {r['predicted_speedup']:.2f}x; " \
                     f"steps by γ {r['gamma_hist']}"
         if r["config"] == "transformers":
             note = "no MTP in transformers; its prompt lookup refuses this stateful model"
+        if r["config"] == "llama.cpp":
+            note = "llama.cpp plain decoding, same GGUF f32 weights"
         if r["config"].endswith("+schema"):  # mask: the verify's grammar masks; masked drafting is in propose
             note = f"vs plain +schema; mask {r['mask_ms_per_step']:.3f} ms/step, compile " \
                    f"{r['grammar_compile_s'] * 1e3:.1f} ms"
-        print(f"{r['batch']:>5} {r['threads']:>3} {r['config']:<13} {r['tokens_per_s']:>9.1f} {r['wall_s']:>7.2f} "
-              f"{r['cpu_s']:>7.2f} {tau:>6} {r['speedup']:>7.2f}x  {note}")
+        decode = f"{r['decode_tokens_per_s']:.1f}" if r["decode_tokens_per_s"] else "-"
+        print(f"{r['batch']:>5} {r['threads']:>3} {r['config']:<20} {r['tokens_per_s']:>9.1f} {decode:>13} "
+              f"{r['wall_s']:>7.2f} {r['cpu_s']:>7.2f} {tau:>6} {r['speedup']:>7.2f}x  {note}")
     print("targets (tokens/s ratios unless named)")
     for name, goal, measure_ in TARGETS:
         value = measure_(table)
         shown = "not measured" if value is None else f"{value:.2f} ({'met' if value >= goal else 'not met'})"
-        print(f"  {name:<48} goal >= {goal:.2f}  {shown}")
+        print(f"  {name:<58} goal >= {goal:.2f}  {shown}")
     if args.plot:
-        plot([r for r in rows if not r["config"].endswith("+schema")], args.plot)
+        plot([r for r in rows if not r["config"].endswith(("+schema", "+compiled"))
+              and r["config"] not in ("transformers", "llama.cpp")], args.plot)  # nano_spec's eager rows
     print(json.dumps({"model": model_dir.name, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
                       "identical": True, "rows": [{k: v for k, v in r.items() if k != "outputs"} for r in rows]}))
     return 0

@@ -1,4 +1,4 @@
-"""The compiled verify (docs/DESIGN.md §12): HybridLM.verify through torch.compile, one static graph per bucket.
+"""The compiled step (docs/DESIGN.md §12): the engine's hot calls through torch.compile, one static graph per bucket.
 
 A bucket is (Bp, K, kv): the batch padded up to a power of two (at most the slot count), K as the step asks,
 and the KV rows attention reads, max(seq_lens) + K rounded up to a power of two (at least KV_MIN, at most the
@@ -6,62 +6,91 @@ cache's length); reading every cache row instead would cost more than all the re
 Padding rows repeat row 0 (same ids, slot and length), so they compute and write exactly what row 0 does
 and no other slot is touched.
 
-The two ops that write the caches run as opaque custom ops with their writes declared, so the graph passes
-the cache views to them and they write in place:
-  - the Mamba verify: inductor would turn its K-row state update into scalar C++ loops, slower than the
-    reference's batched tensor ops;
-  - the attention verify: its row writes into a view of the KV cache, traced, become a copy of the whole
-    cache (every layer and slot) and a copy back, each step.
-Everything else (the linears, norms and glue) is left to inductor. The cache buffers are static addresses
-and the graph has no host sync (fullgraph, dynamic=False).
+The Mamba and attention math runs in the graph, where inductor fuses it; only the cache writes leave it,
+as two opaque custom ops with their writes declared (`mamba_write`, `kv_write`), so the graph hands them
+the cache views and they write in place. Traced instead, a write into a slice of a cache buffer becomes a
+copy of the whole buffer and a copy back, every call. The cache buffers are static addresses and a graph
+has no host sync (fullgraph, dynamic=False), so on CUDA the same graphs can be captured as CUDA graphs.
 """
+import time
+
 import torch
 from torch import Tensor
 
 from nano_spec.cache import HybridCache
-from nano_spec_kernels.attention_verify import attention_verify_ref
-from nano_spec_kernels.mamba_verify import mamba_verify_ref
+from nano_spec.sampling import accept_rule
+from nano_spec_kernels.common import apply_rope_ref, conv_silu_ref, mamba_dt_ref, split_xbc
 
 
-@torch.library.custom_op("nano_spec::mamba_verify", mutates_args=("conv_state", "ssm_state", "ssm_stash", "conv_stash"))
-def _mamba_verify_op(xBC: Tensor, dt: Tensor, conv_state: Tensor, ssm_state: Tensor, slot_ids: Tensor,
-                     conv_weight: Tensor, conv_bias: Tensor | None, dt_bias: Tensor, A_log: Tensor, D: Tensor,
-                     ssm_stash: Tensor, conv_stash: Tensor, n_groups: int, dt_lo: float, dt_hi: float) -> Tensor:
-    return mamba_verify_ref(xBC, dt, conv_state, ssm_state, slot_ids, conv_weight, conv_bias, dt_bias, A_log, D,
-                            ssm_stash, conv_stash, n_groups, (dt_lo, dt_hi))
+# ---- 1. Mamba: the K-row recurrence in the graph, the writes in one op ------------------------------
+@torch.library.custom_op("nano_spec::mamba_write", mutates_args=("conv_state", "ssm_state", "conv_stash", "ssm_stash"))
+def mamba_write(conv_state: Tensor, ssm_state: Tensor, conv_stash: Tensor, ssm_stash: Tensor, slot_ids: Tensor,
+                window: Tensor, states: Tensor) -> None:
+    """window (B, C, W-1+K) and states (B, K, H, P, N) into the stashes; the live state and conv window of
+    slots slot_ids advance to the last row."""
+    conv_stash.copy_(window)
+    ssm_stash.copy_(states)
+    ssm_state[slot_ids] = states[:, -1]
+    conv_state[slot_ids] = window[:, :, window.shape[2] - conv_state.shape[2]:]
 
 
-@_mamba_verify_op.register_fake
-def _(xBC, dt, conv_state, ssm_state, slot_ids, conv_weight, conv_bias, dt_bias, A_log, D, ssm_stash, conv_stash,
-      n_groups, dt_lo, dt_hi):
-    return xBC.new_empty(*xBC.shape[:2], *ssm_state.shape[1:3])  # y (B, K, H, P)
+@mamba_write.register_fake
+def _(conv_state, ssm_state, conv_stash, ssm_stash, slot_ids, window, states):
+    return None
 
 
 def mamba_verify(xBC, dt, conv_state, ssm_state, slot_ids, conv_weight, conv_bias, dt_bias, A_log, D,
                  ssm_stash, conv_stash, n_groups: int, dt_limit=(0.0, float("inf"))):
-    """mamba_verify_ref's contract, as one op inductor does not look into."""
-    return _mamba_verify_op(xBC, dt, conv_state, ssm_state, slot_ids, conv_weight, conv_bias, dt_bias, A_log, D,
-                            ssm_stash, conv_stash, n_groups, float(dt_limit[0]), float(dt_limit[1]))
+    """mamba_verify_ref's contract, written for inductor: the recurrence unrolled over the K rows as
+    elementwise ops on (B, H, P, N), which it fuses into one loop nest per row."""
+    Bsz, K, _ = xBC.shape
+    H, P = ssm_state.shape[1], ssm_state.shape[2]
+    window = torch.cat([conv_state[slot_ids], xBC.transpose(1, 2).to(conv_state.dtype)], dim=-1)  # (B, C, W-1+K)
+    x, Bg, Cg = split_xbc(conv_silu_ref(window, conv_weight, conv_bias), H, P, n_groups)  # (B, K, ...)
+    dt = mamba_dt_ref(dt, dt_bias, dt_limit)  # (B, K, H)
+    decay = torch.exp(dt * -torch.exp(A_log.float()))  # (B, K, H)
+    xf = x.float()
+    Bh = Bg.float().repeat_interleave(H // n_groups, dim=2)[:, :, :, None, :]  # (B, K, H, 1, N): group g's B
+    Ch = Cg.float().repeat_interleave(H // n_groups, dim=2)[:, :, :, None, :]
+    state, rows = ssm_state[slot_ids], []  # (B, H, P, N) fp32
+    for j in range(K):  # S_j = exp(dt_j A) S_{j-1} + dt_j x_j ⊗ B_j
+        state = decay[:, j, :, None, None] * state + (dt[:, j, :, None] * xf[:, j])[..., None] * Bh[:, j]
+        rows.append(state)
+    states = torch.stack(rows, dim=1)  # (B, K, H, P, N)
+    y = (states * Ch).sum(-1) + D.float()[:, None] * xf  # y_j = S_j C_j + D x_j
+    mamba_write(conv_state, ssm_state, conv_stash, ssm_stash, slot_ids, window, states)
+    return y.to(xBC.dtype)
 
 
-KV_MIN = 128  # the smallest KV bucket: fewer, shorter buckets would only add compiles
+# ---- 2. attention: read the cache, attend, write the K new rows in one op ----------------------------
+@torch.library.custom_op("nano_spec::kv_write", mutates_args=("k_cache", "v_cache"))
+def kv_write(k_cache: Tensor, v_cache: Tensor, slot_ids: Tensor, pos: Tensor, k: Tensor, v: Tensor) -> None:
+    """Rows k, v (B, K, Hkv, Dh) into the caches (S, L, Hkv, Dh) at slots slot_ids (B,), positions pos (B, K)."""
+    k_cache[slot_ids[:, None], pos] = k
+    v_cache[slot_ids[:, None], pos] = v
 
 
-@torch.library.custom_op("nano_spec::attention_verify", mutates_args=("k_cache", "v_cache"))
-def _attention_verify_op(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_ids: Tensor,
-                         seq_lens: Tensor, scale: float, rope_theta: float | None) -> Tensor:
-    return attention_verify_ref(q, k, v, k_cache, v_cache, slot_ids, seq_lens, scale, rope_theta).contiguous()
-
-
-@_attention_verify_op.register_fake
-def _(q, k, v, k_cache, v_cache, slot_ids, seq_lens, scale, rope_theta):
-    return q.new_empty(q.shape)  # o (B, K, Hq, Dh), contiguous
+@kv_write.register_fake
+def _(k_cache, v_cache, slot_ids, pos, k, v):
+    return None
 
 
 def attention_verify(q, k, v, k_cache, v_cache, slot_ids, seq_lens, scale: float, rope_theta=None):
-    """attention_verify_ref's contract, as one op inductor does not look into."""
-    return _attention_verify_op(q, k, v, k_cache, v_cache, slot_ids, seq_lens, float(scale),
-                                None if rope_theta is None else float(rope_theta))
+    """attention_verify_ref's contract, written for inductor. The rows are written first and then read back
+    with the rest: reading the cache before a write of it would make inductor keep a copy of the old cache."""
+    Bsz, K, Hq, Dh = q.shape
+    L, Hkv = k_cache.shape[1], k.shape[2]
+    pos = seq_lens[:, None] + torch.arange(K, device=q.device)  # (B, K)
+    kv_write(k_cache, v_cache, slot_ids, pos, apply_rope_ref(k, pos, rope_theta), v)  # k is cached rotated
+    qg = apply_rope_ref(q, pos, rope_theta).float().view(Bsz, K, Hkv, Hq // Hkv, Dh)  # grouped by KV head
+    s = torch.einsum("bqhrd,bkhd->bhrqk", qg, k_cache[slot_ids].float()) * scale  # (B, Hkv, rep, K, L)
+    visible = torch.arange(L, device=q.device)[None, None, :] <= pos[:, :, None]  # (B, K, L)
+    s = s.masked_fill(~visible[:, None, None], float("-inf"))
+    o = torch.einsum("bhrqk,bkhd->bqhrd", s.softmax(-1), v_cache[slot_ids].float())
+    return o.reshape(Bsz, K, Hq, Dh).to(q.dtype)
+
+
+KV_MIN = 128  # the smallest KV bucket: fewer, shorter buckets would only add compiles
 
 
 def bucket(n: int, least: int, most: int) -> int:
@@ -73,32 +102,78 @@ def buckets(least: int, most: int) -> set:
     return {bucket(n, least, most) for n in range(1, most + 1)}
 
 
-class CompiledVerify:
-    """verify(ids, slot_ids, seq_lens, kv_len) -> (logits (B, K, V), Bp): model.verify compiled per bucket.
+def compile_options() -> dict:
+    """torch.compile's settings for every compiled call. The weights are fixed for an engine's life, so the
+    guards skip the modules' attributes: checking every parameter on each call cost ~0.3 ms."""
+    return {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
 
-    The stashes are written at the padded shape: the caller reads them as cache.<stash>(Bp, K)[..., :B, ...]."""
 
-    def __init__(self, model, cache: HybridCache):
-        if model.ops.backend != "torch":
-            raise ValueError("compile: needs backend='torch' (the Triton kernels are not wrapped for compile)")
-        model.ops.mamba_verify, model.ops.attention_verify = mamba_verify, attention_verify
-        self.model, self.cache = model, cache
-        for t in (cache.k, cache.v, cache.conv_state, cache.ssm_state, cache._ssm_stash, cache._conv_stash,
-                  cache._hidden_stash):
-            torch._dynamo.mark_static_address(t)
-        # every bucket of every engine in the process is one more entry of the one verify's code: room for this
+def compile_fn(fn, device, dynamic: bool | None):
+    """torch.compile of fn with nano_spec's settings: one graph, no break (so no host sync inside), and on
+    CUDA each graph captured as a CUDA graph ("reduce-overhead")."""
+    mode = "reduce-overhead" if torch.device(device).type == "cuda" else None
+    return torch.compile(fn, fullgraph=True, dynamic=dynamic, mode=mode, options=compile_options())
+
+
+def compiled_accept_rule(device):
+    """sampling.accept_rule compiled. It writes nothing, so its batch is not padded: a shape it has not seen
+    recompiles it once as a graph over any batch and K. Each engine adds its few variants (greedy or sampled,
+    with or without a grammar mask) to the recompile limit."""
+    torch._dynamo.config.recompile_limit += 8
+    return compile_fn(accept_rule, device, dynamic=None)
+
+
+def static_buffers(*tensors):
+    """Buffers a compiled call reads or writes at a fixed address: passed as they are, never copied (and on
+    CUDA, what a captured graph may keep)."""
+    for t in tensors:
+        torch._dynamo.mark_static_address(t)
+
+
+class Bucketed:
+    """fn compiled once per bucket: fn(*batched, *rest, kv_len) -> (outputs cut to B, Bp).
+
+    The first `batched` arguments carry the batch in dim 0 and are padded to Bp by repeating row 0; kv_len is
+    rounded up to its bucket. Every tensor in the output (a tensor or a tuple of them) is cut back to B rows;
+    what fn writes into buffers is written at Bp rows (the padding rows write what row 0 writes)."""
+
+    def __init__(self, fn, batched: int, num_slots: int, kv_max: int, max_k: int, device):
+        self.batched, self.num_slots, self.kv_max, self.seconds = batched, num_slots, kv_max, 0.0
+        self.seen = set()
+        # every bucket of every engine in the process is one more entry of fn's code object: room for this
         # engine's, and a hit limit is an error rather than a silent fall back to eager
-        L = cache.k.shape[2]
-        n = len(buckets(1, cache.num_slots)) * cache.max_k * len(buckets(min(KV_MIN, L), L))
+        n = len(buckets(1, num_slots)) * max_k * len(buckets(min(KV_MIN, kv_max), kv_max))
         torch._dynamo.config.recompile_limit += n
         torch._dynamo.config.fail_on_recompile_limit_hit = True
-        self.fn = torch.compile(model.verify, fullgraph=True, dynamic=False)
+        self.fn = compile_fn(fn, device, dynamic=False)
 
-    def __call__(self, ids, slot_ids, seq_lens, kv_len: int) -> tuple:
-        """kv_len: max(seq_lens) + K, from host values."""
-        B, L = ids.shape[0], self.cache.k.shape[2]
-        Bp = bucket(B, 1, self.cache.num_slots)
+    def __call__(self, *args, kv_len: int) -> tuple:
+        """kv_len: the longest sequence's length after the call, from host values."""
+        B = args[0].shape[0]
+        Bp, kv = bucket(B, 1, self.num_slots), bucket(kv_len, min(KV_MIN, self.kv_max), self.kv_max)
         if Bp > B:
-            pad = lambda t: torch.cat([t, t[:1].expand(Bp - B, *t.shape[1:])])  # noqa: E731
-            ids, slot_ids, seq_lens = pad(ids), pad(slot_ids), pad(seq_lens)
-        return self.fn(ids, slot_ids, seq_lens, self.cache, bucket(kv_len, min(KV_MIN, L), L))[:B], Bp
+            args = [torch.cat([t, t[:1].expand(Bp - B, *t.shape[1:])]) for t in args[: self.batched]] + \
+                list(args[self.batched:])
+        key = (Bp, kv, *(tuple(t.shape) if isinstance(t, torch.Tensor) else t for t in args))
+        t0 = time.perf_counter() if key not in self.seen else None
+        out = self.fn(*args, kv)
+        if t0 is not None:  # a new bucket: this call compiled it (or loaded it from the on-disk cache)
+            self.seen.add(key)
+            self.seconds += time.perf_counter() - t0
+        return (out[:B] if isinstance(out, torch.Tensor) else tuple(o[:B] for o in out)), Bp
+
+
+def compiled_verify(model, cache: HybridCache) -> Bucketed:
+    """verify(ids, slot_ids, seq_lens, cache, kv_len=) -> (logits (B, K, V), Bp): model.verify per bucket.
+    The stashes are written at the padded shape: the caller reads them as cache.<stash>(Bp, K)[..., :B, ...]."""
+    use_compiled_ops(model)
+    static_buffers(cache.k, cache.v, cache.conv_state, cache.ssm_state, cache._ssm_stash, cache._conv_stash,
+                   cache._hidden_stash, cache._tap_stash)
+    return Bucketed(model.verify, 3, cache.num_slots, cache.k.shape[2], cache.max_k, cache.k.device)
+
+
+def use_compiled_ops(model):
+    """The model's cache-writing ops as written for inductor (above); the rest keep the torch references."""
+    if model.ops.backend != "torch":
+        raise ValueError("compile: needs backend='torch' (the Triton kernels are not wrapped for compile)")
+    model.ops.mamba_verify, model.ops.attention_verify = mamba_verify, attention_verify

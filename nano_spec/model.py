@@ -36,6 +36,11 @@ from nano_spec.config import ModelConfig
 from nano_spec.ops import Ops
 
 
+def in_major(w):
+    """w (out, in) with its storage transposed: the same tensor values, the input dimension outermost."""
+    return w.t().contiguous().t()
+
+
 class Norm(nn.Module):
     """Holds an RMSNorm weight; the math is ops.rmsnorm / ops.gated_rmsnorm."""
 
@@ -146,12 +151,26 @@ class HybridLM(nn.Module):
         self.model = Backbone(cfg)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.mtp = MTPHead(cfg) if cfg.has_mtp else None
+        self.register_buffer("head_weight", None, persistent=False)  # the head's weight as for_inference lays it
 
-    def fuse_qkv(self):
-        """One q/k/v GEMM per attention call, for inference; the weights on disk do not change."""
+    def for_inference(self):
+        """The layout inference runs fastest in; the weights on disk do not change.
+          - one q/k/v GEMM per attention call;
+          - on the CPU, every linear weight (and the head) stored transposed, (in, out) in memory: for the few
+            rows of a decode step torch's CPU GEMM streams that layout about 1.5x faster than (out, in)
+            (docs/BENCHMARKS.md, "The compiled step"). The tensors keep their (out, in) shape."""
         for m in self.modules():
             if isinstance(m, Attention):
                 m.fuse_qkv()
+        head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        self.head_weight = head.detach()
+        if head.device.type == "cpu":
+            self.head_weight = in_major(self.head_weight)  # a copy when tied: the embedding gathers rows
+            for m in self.modules():
+                if isinstance(m, nn.Linear):
+                    m.weight.data = in_major(m.weight.data)
+                if isinstance(m, Attention):
+                    m.qkv_weight = in_major(m.qkv_weight)
         return self
 
     # ---- pieces shared by every entry point ----------------------------------------------
@@ -160,7 +179,9 @@ class HybridLM(nn.Module):
 
     def logits(self, y):
         """Final-normed hidden (..., D) -> logits (..., V)."""
-        w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        w = self.head_weight
+        if w is None:
+            w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(y, w) / self.cfg.logits_scaling
 
     def _stack(self, h, layers, final_norm: Norm | None, mix, tap=None):

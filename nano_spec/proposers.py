@@ -154,6 +154,7 @@ class MTPProposer:
         self.pos = torch.zeros(num_slots, dtype=torch.long, device=p.device)  # (S,) the position draft 1 is for
         self.sampling = BatchSampling.of([SamplingParams()] * num_slots, p.device)  # (S,) each request's settings
         self.slot_ids = SlotIds(p.device)
+        self.compiled = None  # name -> Bucketed, once compile() has run
 
     @staticmethod
     def state_bytes(cfg, num_slots: int, max_len: int, dtype) -> int:
@@ -172,8 +173,8 @@ class MTPProposer:
         """The K verified rows at MTP positions seq_len..; rows past na are computed but lie beyond the new
         frontier and are overwritten later."""
         kv_len = max(s.seq_len for s in seqs) + rows.tokens.shape[1]
-        o = self.model.mtp_step(rows.tokens, rows.hidden, rows.slots, rows.seq_lens, self.k, self.v, kv_len)
-        self.seed[rows.slots] = self.model.ops.gather_rows(o, na)  # (B, D): the row of the last accepted position
+        self.seed[rows.slots] = self._call("_verified", rows.tokens, rows.hidden, rows.slots, rows.seq_lens, na,
+                                           kv_len=kv_len)
         self.pos[rows.slots] = rows.seq_lens + na + 1
 
     def draft(self, seqs, gamma, uniforms) -> Drafts:
@@ -186,11 +187,37 @@ class MTPProposer:
 
         def logits(i, prev):  # draft i > 0 grows from the MTP output after draft i - 1
             nonlocal o
-            if i:
-                o = self.model.mtp_step(prev[:, None], o[:, None], slots, pos + i - 1, self.k, self.v, kv_len)[:, 0]
-            return self.model.mtp_logits(o)
+            if not i:
+                return self.model.mtp_logits(o)
+            o, out = self._call("_next", prev, o, slots, pos + i - 1, kv_len=kv_len)
+            return out
 
         return pick_in_order(seqs, slots, self.sampling, gamma, uniforms, logits)
+
+    # ---- the two MTP calls of a step, compiled per bucket under LLM(compile=True) ------------------------
+    def _verified(self, tokens, hidden, slots, seq_lens, na, kv_len: int):
+        """Catch-up over a verify's K rows (B, K), hidden (B, K, D) -> the new seeds (B, D), the rows at na."""
+        o = self.model.mtp_step(tokens, hidden, slots, seq_lens, self.k, self.v, kv_len)
+        return self.model.ops.gather_rows(o, na)
+
+    def _next(self, prev, o, slots, positions, kv_len: int):
+        """One recursive draft step: draft tokens prev (B,), outputs o (B, D) -> (next o (B, D), logits (B, V))."""
+        o = self.model.mtp_step(prev[:, None], o[:, None], slots, positions, self.k, self.v, kv_len)[:, 0]
+        return o, self.model.mtp_logits(o)
+
+    def compile(self):
+        from nano_spec.compiled import Bucketed, static_buffers, use_compiled_ops
+
+        use_compiled_ops(self.model)
+        static_buffers(self.k, self.v)
+        S, L = self.k.shape[:2]
+        self.compiled = {"_verified": Bucketed(self._verified, 5, S, L, self.max_drafts + 1, self.k.device),
+                         "_next": Bucketed(self._next, 4, S, L, 1, self.k.device)}
+
+    def _call(self, name: str, *args, kv_len: int):
+        if self.compiled is None:
+            return getattr(self, name)(*args, kv_len)
+        return self.compiled[name](*args, kv_len=kv_len)[0]
 
 
 class DFlashProposer:
@@ -213,6 +240,7 @@ class DFlashProposer:
         self.sampling = BatchSampling.of([SamplingParams()] * num_slots, p.device)
         self.slot_ids = SlotIds(p.device)
         self.mask_row = torch.full((cfg.block_size - 1,), cfg.mask_token_id, dtype=torch.long, device=p.device)
+        self.compiled = None  # a Bucketed block forward, once compile() has run
 
     @staticmethod
     def state_bytes(cfg: DFlashConfig, num_slots: int, max_len: int, dtype) -> int:
@@ -246,13 +274,28 @@ class DFlashProposer:
         """One block forward; rows 1 .. γ are the drafts (the rest of the block is dropped). A constrained row
         picks draft j under its grammar's mask after drafts[:j], from the same forward's logits."""
         slots = self.slot_ids(seqs)
-        B, cfg = len(seqs), self.drafter.cfg
-        ids = torch.cat([self.last[slots, None], self.mask_row.expand(B, -1)], dim=1)  # (B, Bk)
-        x = self.target.model.embed_tokens(ids) * cfg.input_embedding_scale
         kv_len = max(s.seq_len for s in seqs)  # context rows read: the longest context
-        h = self.drafter.draft_hidden(x, slots, self.ctx_len[slots], self.k[:, :, :kv_len], self.v[:, :, :kv_len])
-        logits = self.target.logits(h[:, 1 : gamma + 1]) * (cfg.output_multiplier * self.target.cfg.logits_scaling)
+        if self.compiled is None:
+            logits = self._block(slots, gamma, kv_len)
+        else:
+            logits = self.compiled(slots, gamma, kv_len=kv_len)[0]
         return pick_in_order(seqs, slots, self.sampling, gamma, uniforms, lambda i, prev: logits[:, i])
+
+    def _block(self, slots, gamma: int, kv_len: int):
+        """The block forward of slots (B,) -> the logits of drafts 1 .. γ (B, γ, V)."""
+        cfg = self.drafter.cfg
+        ids = torch.cat([self.last[slots, None], self.mask_row.expand(len(slots), -1)], dim=1)  # (B, Bk)
+        x = self.target.model.embed_tokens(ids) * cfg.input_embedding_scale
+        h = self.drafter.draft_hidden(x, slots, self.ctx_len[slots], self.k[:, :, :kv_len], self.v[:, :, :kv_len])
+        return self.target.logits(h[:, 1 : gamma + 1]) * (cfg.output_multiplier * self.target.cfg.logits_scaling)
+
+    def compile(self):
+        """The block forward per bucket (the catch-up's context K/V writes stay eager)."""
+        from nano_spec.compiled import Bucketed, static_buffers
+
+        static_buffers(self.k, self.v, self.last, self.ctx_len)
+        S, L = self.k.shape[1:3]
+        self.compiled = Bucketed(self._block, 1, S, L, self.max_drafts, self.k.device)
 
 
 AUTO_MAX_DRAFTS = 4  # γ_max under num_drafts="auto"; each extra draft also costs stash memory per slot

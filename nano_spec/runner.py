@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from nano_spec.cache import HybridCache, SlotIds
-from nano_spec.compiled import CompiledVerify
+from nano_spec.compiled import compiled_accept_rule, compiled_verify
 from nano_spec.grammar import verify_bitmask
 from nano_spec.model import HybridLM
 from nano_spec.proposers import Drafts, VerifiedRows
@@ -42,7 +42,7 @@ class RowResult:
 class ModelRunner:
     def __init__(self, model: HybridLM, proposer, num_slots: int, max_seq_len: int, telemetry: Telemetry = None,
                  compile: bool = False):
-        self.model, self.proposer = model.fuse_qkv(), proposer
+        self.model, self.proposer = model.for_inference(), proposer
         self.cfg, self.max_drafts = model.cfg, proposer.max_drafts
         self.tel = telemetry or Telemetry(self.max_drafts)
         p = next(model.parameters())
@@ -51,7 +51,10 @@ class ModelRunner:
         self.cache = HybridCache(self.cfg, num_slots, cache_len(max_seq_len, self.max_drafts), self.max_drafts + 1,
                                  self.device, self.dtype, self.taps)
         self.slot_ids = SlotIds(self.device)
-        self.compiled = CompiledVerify(self.model, self.cache) if compile else None
+        self.compiled = compiled_verify(self.model, self.cache) if compile else None
+        self.accept_rule = compiled_accept_rule(self.device) if compile else accept_rule
+        if compile and hasattr(self.proposer, "compile"):  # its drafting calls, bucketed alike
+            self.proposer.compile()
         self.generators = [None] * num_slots
         # per-slot device copies, written at admission and advanced on the device after each accept rule,
         # so a step uploads nothing but the batch's slot ids (and those only when the batch changes)
@@ -105,15 +108,15 @@ class ModelRunner:
             if self.compiled is None:
                 logits, Bp = self.model.verify(rows, slots, seq_lens, self.cache, kv_len), B
             else:
-                logits, Bp = self.compiled(rows, slots, seq_lens, kv_len)  # the stashes at the padded batch Bp
+                logits, Bp = self.compiled(rows, slots, seq_lens, self.cache, kv_len=kv_len)  # stashes at Bp rows
         bitmask = None
         if any(s.constraint is not None for s in seqs):  # host work only for batches with a grammar
             with phase("mask"):
                 bitmask = verify_bitmask([s.constraint for s in seqs], drafts.tokens, drafts.nd)  # (B, K, W)
         with phase("verdict"):
             u = self._uniforms(seqs, K, sampling)  # draw "verdict"
-            na, emitted = accept_rule(self.model.ops, logits, drafts.tokens, drafts.nd, sampling,
-                                      self._q(drafts, sampling), u, bitmask)
+            na, emitted = self.accept_rule(self.model.ops, logits, drafts.tokens, drafts.nd, sampling,
+                                           self._q(drafts, sampling), u, bitmask)
             self.seq_lens[slots] = seq_lens + na + 1
             self.last[slots] = emitted.gather(1, na[:, None])[:, 0]
         if gamma:  # a full accept leaves the live state right; with γ = 0 every row is one

@@ -119,7 +119,7 @@ def engine_launches(cfg, dtype: torch.dtype) -> list:
     """Every launch of the verify steps (B in BATCHES, K in KS) and prefills (PROMPTS) of model cfg in dtype."""
     ops = PlannedOps()
     with torch.device("meta"):
-        model = HybridLM(cfg, ops).to(dtype).fuse_qkv()
+        model = HybridLM(cfg, ops).to(dtype).for_inference()
     meta = dict(device="meta")
     for B in BATCHES:
         for K in KS:

@@ -4,7 +4,7 @@
 
 For each K (rows per sequence, batch 1), in one process, interleaved:
   - eager ms: HybridLM.verify as the engine runs it without compile;
-  - compiled ms: the same call through LLM(compile=True)'s CompiledVerify (its first call's compile time beside);
+  - compiled ms: the same call through LLM(compile=True)'s compiled verify (its first call's compile time beside);
   - matmul floor ms: every linear of the target and the tied lm_head alone, at K rows: the least a step
     that reads every weight once through torch's matmul can cost;
   - stream ms: one pass (a sum) over as many bytes as those weights, what one core's memory bandwidth allows;
@@ -61,11 +61,11 @@ def main(argv=None):
             slots, seq_lens = torch.tensor([0]), torch.tensor([32])
             xs = [torch.randn(1, K, w.shape[1]) for w in weights]
             t0 = time.perf_counter()
-            compiled.runner.compiled(ids, slots, seq_lens, 32 + K)
+            compiled.runner.compiled(ids, slots, seq_lens, compiled.runner.cache, kv_len=32 + K)
             compile_s = time.perf_counter() - t0
             timed = {
                 "eager": lambda: m.verify(ids, slots, seq_lens, eager.runner.cache, 32 + K),
-                "compiled": lambda: compiled.runner.compiled(ids, slots, seq_lens, 32 + K),
+                "compiled": lambda: compiled.runner.compiled(ids, slots, seq_lens, compiled.runner.cache, kv_len=32 + K),
                 "matmul floor": lambda: [F.linear(x, w) for x, w in zip(xs, weights)],
                 "stream": lambda: flat.sum(),
             }

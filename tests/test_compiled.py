@@ -58,7 +58,7 @@ def test_verify_padded_batch_writes_like_row_0(ckpt):
     slots, seq_lens = torch.tensor([2, 0, 1]), torch.tensor([0, 0, 0])
     with torch.no_grad():
         ref = eager.model.verify(ids, slots, seq_lens, eager.runner.cache, 3)
-        out, Bp = compiled.runner.compiled(ids, slots, seq_lens, 3)
+        out, Bp = compiled.runner.compiled(ids, slots, seq_lens, compiled.runner.cache, kv_len=3)
     assert Bp == 4
     torch.testing.assert_close(out, ref)
     e, c = eager.runner.cache, compiled.runner.cache

@@ -66,7 +66,8 @@ def test_bench_refuses_outputs_that_differ(ckpt, prompts_file, optimize):
     flags = ["-O"] if optimize else []
     rc, out, err = run(*flags, "-c", BENCH_WITH_A_WRONG_ENGINE, optimize, "corrupt", *args)
     assert rc == 1, (rc, out[-500:], err[-2000:])
-    assert err.strip().splitlines()[-1] == "error: greedy outputs differ from plain: mtp γ=2 at batch 2, prompt 1"
+    assert err.strip().splitlines()[-1] == \
+        "error: greedy outputs differ from plain: mtp γ=2 at batch 2, prompt 1, token 5"
     assert '"identical": true' not in out
     rc, out, err = run(*flags, "-c", BENCH_WITH_A_WRONG_ENGINE, optimize, "as-is", *args)  # the same, untouched
     assert rc == 0 and json.loads(out.strip().splitlines()[-1])["identical"] is True, err[-2000:]

@@ -1,0 +1,132 @@
+"""python -m nano_spec.bench --vs-llama-cpp: the llama.cpp row, its identity check and its refusals, in process,
+on a stand-in llama_cpp module that yields given tokens; the real llama-cpp-python when NANO_SPEC_GGUF names a GGUF."""
+import json
+import os
+import sys
+import time
+import types
+
+import pytest
+
+from helpers import tiny_checkpoint
+
+PROMPTS = ["def f(x):", "x = 1"]
+TINY = ["--num-prompts", "2", "--max-new-tokens", "6", "--gammas", "1", "--batch", "1", "--no-ngram", "--no-auto",
+        "--no-dflash", "--repeats", "1", "--backend", "torch", "--threads", "1"]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = tiny_checkpoint(tmp_path_factory.mktemp("llama-cpp") / "tiny", seed=2)
+    (path / "eval_prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    return path
+
+
+@pytest.fixture(scope="module")
+def plain(ckpt):
+    """{prompt ids: plain decoding's 6 tokens}, as the bench's "plain" row decodes them."""
+    from nano_spec.llm import LLM
+    from nano_spec.sampling import SamplingParams
+
+    llm = LLM(ckpt, backend="torch", proposer="none", max_batch=1, threads=1)
+    ids = [llm.tokenizer.encode(p) for p in PROMPTS]
+    outs = llm.generate(ids, SamplingParams(max_new_tokens=6, ignore_eos=True))
+    return {tuple(i): o.token_ids for i, o in zip(ids, outs)}
+
+
+def fake_llama_cpp(answers, calls):
+    """A module standing in for llama_cpp: Llama.generate yields answers[prompt ids], then token 0 forever
+    (llama.cpp does not stop at EOS), and clears the list it was given, as the real one does."""
+
+    class Llama:
+        def __init__(self, model_path, **kw):
+            calls.append(dict(kw, model_path=model_path))
+
+        def reset(self):
+            calls.append("reset")
+
+        def generate(self, tokens, **kw):
+            assert (kw["temp"], kw["top_k"], kw["repeat_penalty"]) == (0.0, 1, 1.0), kw
+            answer = answers[tuple(tokens)]
+            tokens.clear()
+            for t in answer:
+                time.sleep(0.002)  # a decode time the row can divide by
+                yield t
+            while True:
+                yield 0
+
+    return types.SimpleNamespace(Llama=Llama)
+
+
+def bench(ckpt, *flags):
+    from nano_spec.bench import main
+
+    return main(["--model", str(ckpt), *TINY, *map(str, flags)])
+
+
+def test_llama_cpp_row_with_plain_decodings_tokens(ckpt, plain, tmp_path, monkeypatch, capsys):
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    calls = []
+    monkeypatch.setitem(sys.modules, "llama_cpp", fake_llama_cpp(plain, calls))
+    rc = bench(ckpt, "--vs-llama-cpp", gguf)
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    rows = {r["config"]: r for r in json.loads(out.strip().splitlines()[-1])["rows"]}
+    assert set(rows) == {"plain", "mtp γ=1", "llama.cpp"}
+    row = rows["llama.cpp"]
+    assert row["tokens"] == 12 and row["decode_tokens_per_s"] > 0 and row["steps_s"] >= 2 * 5 * 0.002
+    assert row["decode_tokens_per_s"] == pytest.approx((12 - 2) / row["steps_s"])
+    assert all(r["decode_tokens_per_s"] > 0 for r in rows.values())
+    line = next(x for x in out.splitlines() if " llama.cpp " in x)
+    assert f"{row['decode_tokens_per_s']:.1f}" in line and "same GGUF f32 weights" in line
+    assert "compiled auto vs llama.cpp plain, decode tokens/s, batch 1" in out
+    made = calls[0]
+    assert made["model_path"] == str(gguf) and made["n_threads"] == 1
+    assert made["n_ctx"] >= max(map(len, plain)) + 6
+    assert calls.count("reset") == 1 + 2  # the warm-up's prompt, then each prompt of the round
+
+
+def test_llama_cpp_row_that_differs_names_prompt_and_token(ckpt, plain, tmp_path, monkeypatch, capsys):
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    second, tokens = list(plain.items())[1]
+    wrong = {**plain, second: tokens[:3] + [tokens[3] ^ 1] + tokens[4:]}
+    monkeypatch.setitem(sys.modules, "llama_cpp", fake_llama_cpp(wrong, []))
+    rc = bench(ckpt, "--vs-llama-cpp", gguf)
+    out, err = capsys.readouterr()
+    assert rc == 1, err
+    assert err.strip().splitlines()[-1] == "error: greedy outputs differ from plain: llama.cpp at batch 1, prompt 1, " \
+                                           "token 3"
+    assert '"identical": true' not in out
+
+
+def test_vs_llama_cpp_without_llama_cpp_python(ckpt, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import llama_cpp raises ImportError
+    rc = bench(ckpt, "--vs-llama-cpp", "x.gguf")
+    err = capsys.readouterr().err
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("error: --vs-llama-cpp needs llama-cpp-python (") and "pip install" in err, err
+
+
+def test_vs_llama_cpp_with_a_missing_gguf(ckpt, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "llama_cpp", fake_llama_cpp({}, []))
+    rc = bench(ckpt, "--vs-llama-cpp", tmp_path / "none.gguf")
+    err = capsys.readouterr().err
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert "--vs-llama-cpp" in err and "none.gguf" in err and "Traceback" not in err, err
+
+
+def test_vs_llama_cpp_for_real(capsys):
+    """The shipped weights against their GGUF (scripts/export_gguf.py) through llama-cpp-python itself."""
+    gguf = os.environ.get("NANO_SPEC_GGUF")
+    if not gguf:
+        pytest.skip("NANO_SPEC_GGUF names no GGUF of the shipped weights (docs/BENCHMARKS.md, 'Beside llama.cpp')")
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    from nano_spec.bench import main
+
+    rc = main(["--vs-llama-cpp", gguf, *TINY])
+    out, err = capsys.readouterr()
+    assert rc == 0, err[-2000:]
+    rows = {r["config"]: r for r in json.loads(out.strip().splitlines()[-1])["rows"]}
+    assert rows["llama.cpp"]["tokens"] == 12 and rows["llama.cpp"]["decode_tokens_per_s"] > 0
