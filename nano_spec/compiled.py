@@ -115,12 +115,43 @@ def compile_fn(fn, device, dynamic: bool | None):
     return torch.compile(fn, fullgraph=True, dynamic=dynamic, mode=mode, options=compile_options())
 
 
-def compiled_accept_rule(device):
+class Timed:
+    """seconds: the time of the calls that compiled a graph (the first call with each key).
+
+    On CUDA every call starts a new step of the CUDA graphs, after which an earlier replay's outputs may
+    be overwritten; so the outputs are copied out of the graphs' memory (a few small tensors a call)."""
+
+    def __init__(self, device):
+        self.seconds, self.seen, self.cuda = 0.0, set(), torch.device(device).type == "cuda"
+
+    def timed(self, key, fn, *args):
+        if self.cuda:
+            torch.compiler.cudagraph_mark_step_begin()
+        if key in self.seen:
+            out = fn(*args)
+        else:
+            t0 = time.perf_counter()
+            out = fn(*args)  # compiles the graph, or loads it from the on-disk cache
+            self.seen.add(key)
+            self.seconds += time.perf_counter() - t0
+        if self.cuda:
+            out = out.clone() if isinstance(out, Tensor) else tuple(o.clone() for o in out)
+        return out
+
+
+class CompiledAcceptRule(Timed):
     """sampling.accept_rule compiled. It writes nothing, so its batch is not padded: a shape it has not seen
     recompiles it once as a graph over any batch and K. Each engine adds its few variants (greedy or sampled,
     with or without a grammar mask) to the recompile limit."""
-    torch._dynamo.config.recompile_limit += 8
-    return compile_fn(accept_rule, device, dynamic=None)
+
+    def __init__(self, device):
+        super().__init__(device)
+        torch._dynamo.config.recompile_limit += 8
+        self.fn = compile_fn(accept_rule, device, dynamic=None)
+
+    def __call__(self, ops, logits, drafts, nd, sampling, q=None, uniforms=None, bitmask=None):
+        key = (logits.shape, sampling.all_greedy, q is None, bitmask is None)
+        return self.timed(key, self.fn, ops, logits, drafts, nd, sampling, q, uniforms, bitmask)
 
 
 def static_buffers(*tensors):
@@ -130,7 +161,7 @@ def static_buffers(*tensors):
         torch._dynamo.mark_static_address(t)
 
 
-class Bucketed:
+class Bucketed(Timed):
     """fn compiled once per bucket: fn(*batched, *rest, kv_len) -> (outputs cut to B, Bp).
 
     The first `batched` arguments carry the batch in dim 0 and are padded to Bp by repeating row 0; kv_len is
@@ -138,8 +169,8 @@ class Bucketed:
     what fn writes into buffers is written at Bp rows (the padding rows write what row 0 writes)."""
 
     def __init__(self, fn, batched: int, num_slots: int, kv_max: int, max_k: int, device):
-        self.batched, self.num_slots, self.kv_max, self.seconds = batched, num_slots, kv_max, 0.0
-        self.seen = set()
+        super().__init__(device)
+        self.batched, self.num_slots, self.kv_max = batched, num_slots, kv_max
         # every bucket of every engine in the process is one more entry of fn's code object: room for this
         # engine's, and a hit limit is an error rather than a silent fall back to eager
         n = len(buckets(1, num_slots)) * max_k * len(buckets(min(KV_MIN, kv_max), kv_max))
@@ -154,12 +185,8 @@ class Bucketed:
         if Bp > B:
             args = [torch.cat([t, t[:1].expand(Bp - B, *t.shape[1:])]) for t in args[: self.batched]] + \
                 list(args[self.batched:])
-        key = (Bp, kv, *(tuple(t.shape) if isinstance(t, torch.Tensor) else t for t in args))
-        t0 = time.perf_counter() if key not in self.seen else None
-        out = self.fn(*args, kv)
-        if t0 is not None:  # a new bucket: this call compiled it (or loaded it from the on-disk cache)
-            self.seen.add(key)
-            self.seconds += time.perf_counter() - t0
+        key = (kv, *(tuple(t.shape) if isinstance(t, torch.Tensor) else t for t in args))
+        out = self.timed(key, self.fn, *args, kv)
         return (out[:B] if isinstance(out, torch.Tensor) else tuple(o[:B] for o in out)), Bp
 
 

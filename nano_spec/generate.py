@@ -41,7 +41,7 @@ def parse_args(argv):
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int)
     p.add_argument("--backend", choices=["auto", "torch", "triton"], default="auto")
-    p.add_argument("--compile", action="store_true", help="the verify through torch.compile (backend torch)")
+    p.add_argument("--compile", action="store_true", help="the step's hot calls through torch.compile (backend torch; docs/DESIGN.md §12)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", help="float32, bfloat16 or float16 (default: the stored dtype on CUDA, float32 on CPU)")
     p.add_argument("--max-batch", type=int, default=8)
@@ -226,6 +226,8 @@ def print_stats(st: dict, good: list, elapsed: float):
     rate = f"tokens/s {n_tokens / elapsed:.1f}  " if n_tokens else "tokens/s -  "  # failed requests do not count
     print(f"{rate}tau {st['tau']:.3f}  accept_at {[round(a, 3) for a in st['accept_at']]}  "
           f"verify steps {st['verify_steps']}", file=sys.stderr)
+    if st["compile_seconds"]:
+        print(f"  compile {st['compile_seconds']:.1f} s (first calls of the compiled graphs)", file=sys.stderr)
     print(f"  max_seq_len {st['max_seq_len']}  weights + caches {st['memory_bytes'] / 2**30:.2f} GiB of a "
           f"{st['memory_budget'] / 2**30:.2f} GiB budget", file=sys.stderr)
     for bucket, b in st["accept_at_by_seq_len"].items():

@@ -80,7 +80,8 @@ class LLM:
         drafter: the DFlash drafter directory for proposer="dflash"; None: <checkpoint>/dflash/.
         threads: torch's intra-op threads, process-wide; None: the rule of `capacity.default_threads`.
         on_step: called with a StepReport after every engine step.
-        compile: run the target's verify through torch.compile (backend 'torch'; nano_spec/compiled.py)."""
+        compile: run the step's hot calls through torch.compile, one graph per shape bucket, CUDA graphs on a
+        GPU (backend 'torch'; nano_spec/compiled.py, docs/DESIGN.md §12)."""
         if model is not None and not isinstance(model, (str, os.PathLike)):
             raise ValueError(f"model: expected a checkpoint directory path or a model id, got {type(model).__name__}")
         path = Path(model) if model is not None else shipped_weights()
@@ -94,11 +95,13 @@ class LLM:
             raise ValueError(f"memory_budget: {memory_budget!r} must be a positive integer (bytes) or None")
         if threads is not None and not is_int(threads, 1, capacity.MAX_THREADS):
             raise ValueError(f"threads: {threads!r} must be None or an integer in [1, {capacity.MAX_THREADS}]")
-        backend = resolve_backend(backend, device)
         if compile not in (True, False):
             raise ValueError(f"compile: {compile!r} must be True or False")
+        # compiled, the graphs hold inductor's own kernels (Triton ones on CUDA): auto means the references
+        backend = resolve_backend("torch" if compile and backend == "auto" else backend, device)
         if compile and backend != "torch":
-            raise ValueError(f"compile: needs backend='torch', not {backend!r} (the Triton kernels are not wrapped)")
+            raise ValueError(f"compile: needs backend='torch' or 'auto', not {backend!r} (inductor writes the "
+                             "compiled kernels; the hand-written Triton ones are not wrapped for it)")
         if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(f"backend: 'triton' on {device.type} needs the Triton interpreter "
                              "(TRITON_INTERPRET=1 before the first import of the kernels); use backend='torch'")
@@ -248,7 +251,7 @@ class LLM:
         """Telemetry since the engine started (metrics of docs/DESIGN.md §7), and the memory settings."""
         return {**self.telemetry.summary(), **(self.planner.summary() if self.planner else {}),
                 "grammar_compile_seconds": self.grammars.compile_seconds,
-                "grammars_compiled": self.grammars.num_compiled,
+                "grammars_compiled": self.grammars.num_compiled, "compile_seconds": self.runner.compile_seconds(),
                 "max_seq_len": self.max_seq_len, "memory_bytes": self.cache_bytes, "memory_budget": self.memory_budget}
 
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from nano_spec.cache import HybridCache, SlotIds
-from nano_spec.compiled import compiled_accept_rule, compiled_verify
+from nano_spec.compiled import CompiledAcceptRule, Timed, compiled_verify
 from nano_spec.grammar import verify_bitmask
 from nano_spec.model import HybridLM
 from nano_spec.proposers import Drafts, VerifiedRows
@@ -52,7 +52,7 @@ class ModelRunner:
                                  self.device, self.dtype, self.taps)
         self.slot_ids = SlotIds(self.device)
         self.compiled = compiled_verify(self.model, self.cache) if compile else None
-        self.accept_rule = compiled_accept_rule(self.device) if compile else accept_rule
+        self.accept_rule = CompiledAcceptRule(self.device) if compile else accept_rule
         if compile and hasattr(self.proposer, "compile"):  # its drafting calls, bucketed alike
             self.proposer.compile()
         self.generators = [None] * num_slots
@@ -131,6 +131,12 @@ class ModelRunner:
                 self.proposer.catch_up(seqs, verified, na)
         with phase("copy"):
             return self._results(logits, emitted, na, drafts, refused, seqs)
+
+    def compile_seconds(self) -> float:
+        """Time spent compiling (or loading from the on-disk cache) the graphs of this engine's compiled calls."""
+        parts = [self.compiled, self.accept_rule, getattr(self.proposer, "compiled", None)]
+        parts = [x for p in parts for x in (p.values() if isinstance(p, dict) else [p])]
+        return sum(p.seconds for p in parts if isinstance(p, Timed))
 
     # ---- helpers -------------------------------------------------------------------
     def _no_drafts(self, B: int) -> tuple:

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The GPU check, for a machine with a CUDA GPU where torch, triton, pytest and
 # pytest-benchmark are installed and nothing can be downloaded. Each step is
-# bounded in time (about 9 minutes in all); a summary goes to $OUT/summary.txt
+# bounded in time (about 10 minutes in all); a summary goes to $OUT/summary.txt
 # when OUT is set (else /tmp/nano_spec_gpu_check) and to stdout.
 #   1. the kernel tests, compiled (not interpreted), and the model on the triton backend
 #   2. the lossless tests on CUDA (the engine picks the triton backend there)
 #   3. the kernel benchmarks: measured time beside the roofline time (bytes / HBM peak), GB/s, % of peak
 #   4. the roofline on paper (no kernel runs): predicted kernel and step times, the speedup they imply
 #   5. the end-to-end bench on the shipped weights, to hold against 4's "shipped" tokens/s
+#   6. the compiled step captured as CUDA graphs (LLM(compile=True)), its outputs checked against eager plain
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD:$PWD/kernels${PYTHONPATH:+:$PYTHONPATH}"  # nano_spec and nano_spec_kernels, installed or not
@@ -37,3 +38,5 @@ step lossless 120 python -m pytest -q -x tests/test_engine.py -k "lossless or ba
 step kernel_bench 110 python -m tests.bench
 TAIL=100 step predict 30 python -m tests.bench --predict --model shipped 350m 1b
 step e2e_bench 100 python -m nano_spec.bench --num-prompts 8 --max-new-tokens 48 --batch 1 8 --gammas 3 --dflash-gammas 3
+step compiled 90 python -m nano_spec.bench --compile --num-prompts 4 --max-new-tokens 32 --batch 1 4 --gammas 3 \
+  --no-ngram --no-dflash --no-auto

@@ -94,3 +94,30 @@ def test_step_profile_compiled_rows(ckpt, capsys):
     by = {(r["mode"], r["phase"]): r for r in rows}
     assert {p for m, p in by if m == "eager"} == {p for m, p in by if m == "compiled"} >= {"prefill", "verify"}
     assert 0 < by["compiled", "verify"]["ops_per_call"] < by["eager", "verify"]["ops_per_call"]
+
+
+def test_compiled_step_writes_the_caches_where_they_lie(ckpt):
+    """The conditions a CUDA graph needs, held on the CPU. Every compiled call is one graph (fullgraph: a graph
+    break, which any host sync inside would be, is an error), and nothing copies a cache: no buffer that the
+    generated code of a whole generate (verify, MTP drafting and catch-up, accept rule) allocates comes near
+    one layer's KV cache, and every cache buffer keeps its address."""
+    import math
+    import re
+
+    import torch._inductor.config as inductor_config
+    from torch._inductor.utils import run_and_get_code
+
+    llm = LLM(ckpt, proposer="mtp", num_drafts=2, max_batch=2, max_seq_len=2048, backend="torch", device="cpu",
+              compile=True)
+    c, mtp = llm.runner.cache, llm.proposer
+    buffers = [c.k, c.v, c.conv_state, c.ssm_state, c._ssm_stash, c._conv_stash, c._hidden_stash, mtp.k, mtp.v]
+    addresses = [t.data_ptr() for t in buffers]
+    with inductor_config.patch(force_disable_caches=True):  # compiled here, so the code is seen
+        _, code = run_and_get_code(tokens, llm, PROMPTS[:2], GREEDY)
+    allocated = [math.prod(int(d) for d in dims.split(",") if d.strip()) for src in code
+                 for dims in re.findall(r"empty_strided_cpu\(\(([\d, ]+)\)", src)]
+    assert len(code) >= 3 and allocated, len(code)  # the verify, the two MTP calls, the accept rule
+    layer_kv = c.k[0].numel()  # (S, L, Hkv, Dh) elements
+    assert max(allocated) < layer_kv / 8, (max(allocated), layer_kv)
+    assert [t.data_ptr() for t in buffers] == addresses
+    assert llm.stats["compile_seconds"] > 0
