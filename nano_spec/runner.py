@@ -52,7 +52,9 @@ class ModelRunner:
                                  self.device, self.dtype, self.taps)
         self.slot_ids = SlotIds(self.device)
         self.compiled = compiled_verify(self.model, self.cache) if compile else None
-        self.accept_rule = CompiledAcceptRule(self.device) if compile else accept_rule
+        # the accept rule is ~10 small ops: compiled it pays on CUDA (one graph replay), not on the CPU, where
+        # the compiled call's own overhead is more than its ops cost (docs/DESIGN.md §12)
+        self.accept_rule = CompiledAcceptRule(self.device) if compile and self.device.type == "cuda" else accept_rule
         if compile and hasattr(self.proposer, "compile"):  # its drafting calls, bucketed alike
             self.proposer.compile()
         self.generators = [None] * num_slots

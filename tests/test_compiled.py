@@ -121,3 +121,29 @@ def test_compiled_step_writes_the_caches_where_they_lie(ckpt):
     assert max(allocated) < layer_kv / 8, (max(allocated), layer_kv)
     assert [t.data_ptr() for t in buffers] == addresses
     assert llm.stats["compile_seconds"] > 0
+
+
+@pytest.mark.parametrize("case", ["greedy", "sampled", "masked-sampled"])
+def test_compiled_accept_rule_equals_eager(case):
+    """The accept rule as CUDA runs it (compiled; on the CPU the engine runs it eager, as it is cheaper there):
+    the same na and tokens as the eager rule for greedy, sampled and grammar-masked rows, at two batch shapes."""
+    from nano_spec.compiled import CompiledAcceptRule
+    from nano_spec.ops import Ops
+    from nano_spec.sampling import BatchSampling, accept_rule
+
+    ops, rule, g = Ops("torch"), CompiledAcceptRule("cpu"), torch.Generator().manual_seed(3)
+    for B, K, V in [(3, 4, 50), (5, 2, 50)]:
+        logits = torch.randn(B, K, V, generator=g)
+        drafts = torch.where(torch.rand(B, K - 1, generator=g) < 0.6, logits[:, :-1].argmax(-1),
+                             torch.randint(0, V, (B, K - 1), generator=g))
+        nd = torch.randint(0, K, (B,), generator=g)
+        params = [SamplingParams(temperature=0.0 if case == "greedy" or b == 0 else 0.8, top_k=20) for b in range(B)]
+        sampling = BatchSampling.of(params, "cpu")
+        q = None if case == "greedy" else torch.softmax(torch.randn(B, K - 1, V, generator=g), -1)
+        u = None if case == "greedy" else torch.rand(B, K, generator=g)
+        bitmask = torch.randint(-2**31, 2**31 - 1, (B, K, (V + 31) // 32), dtype=torch.int32, generator=g) \
+            if case.startswith("masked") else None
+        want = accept_rule(ops, logits, drafts, nd, sampling, q, u, bitmask)
+        got = rule(ops, logits, drafts, nd, sampling, q, u, bitmask)
+        assert [t.tolist() for t in got] == [t.tolist() for t in want], (case, B, K)
+    assert rule.seconds > 0
