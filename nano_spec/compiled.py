@@ -90,7 +90,7 @@ def attention_verify(q, k, v, k_cache, v_cache, slot_ids, seq_lens, scale: float
     return o.reshape(Bsz, K, Hq, Dh).to(q.dtype)
 
 
-KV_MIN = 128  # the smallest KV bucket: fewer, shorter buckets would only add compiles
+KV_MIN = 256  # the smallest KV bucket: each bucket is one more graph to compile, and a short one saves little
 
 
 def bucket(n: int, least: int, most: int) -> int:

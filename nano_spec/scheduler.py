@@ -111,13 +111,14 @@ class Scheduler:
         batch = self._schedule(report, focus)                                  # schedule
         if batch:
             gamma = self.planner.choose(len(batch)) if self.planner else self.runner.max_drafts
-            t0, spent = self.tel.clock(), self.tel.proposer_seconds()
+            t0, spent, compiled = self.tel.clock(), self.tel.proposer_seconds(), self.runner.compile_seconds()
             results = self._call(batch, "step", self.runner.step, batch, gamma)  # run
             if results is None:
                 report.failed += [s.id for s in batch]
             else:                                                              # postprocess
                 report.rows += [self._apply(seq, r) for seq, r in zip(batch, results)]
-                self._observe(len(batch), gamma, t0, spent, results)
+                if self.runner.compile_seconds() == compiled:  # a step that compiled a graph is not its cost
+                    self._observe(len(batch), gamma, t0, spent, results)
             self._release(batch)
         report.phase_seconds = dict(self.tel.step_seconds)
         return report
