@@ -187,7 +187,7 @@ class Engine:
         return {"steps_s": steps_s, **{k: st.get(k) for k in ("tau", "accept_at", "gamma_hist", "predicted_speedup")},
                 "propose_ms_per_step": st["phase_seconds"]["propose"] * 1e3 / drafts if drafts else None,
                 "mask_ms_per_step": st["phase_seconds"]["mask"] * 1e3 / masks if masks else None,
-                "grammar_compile_s": st["grammar_compile_seconds"]}
+                "grammar_compile_s": st["grammar_compile_seconds"], "compile_s": st["compile_seconds"]}
 
 
 class Transformers:
@@ -267,14 +267,23 @@ class LlamaCpp:
                 "predicted_speedup": None, "propose_ms_per_step": None}
 
 
+WARM_PASSES = 4
+
+
 def measure(engines, ids, args) -> list:
     """Warm every engine up, then time them in turn, args.repeats rounds (the order rotates).
-    A compiled engine warms up on the whole prompt set: each new shape bucket compiles a graph on first use."""
+    A compiled engine compiles a graph for each new shape bucket on first use, and which buckets a run meets
+    depends on its γ choices: it warms up on the whole prompt set until a pass compiles nothing new (at most
+    WARM_PASSES passes; the compile seconds are in the row's notes)."""
     for e in engines:
-        if getattr(e, "compiled", False):
-            e.generate(ids, args.max_new_tokens)
-        else:
+        if not getattr(e, "compiled", False):
             e.generate(ids[:1], 4)
+            continue
+        for _ in range(WARM_PASSES):
+            before = e.llm.runner.compile_seconds()
+            e.generate(ids, args.max_new_tokens)
+            if e.llm.runner.compile_seconds() == before:
+                break
     wall, cpu, steps = ({e.name: [] for e in engines} for _ in range(3))  # seconds per round
     outputs, stats = {}, {}  # of the last round, but steps_s is the median of steps_rounds
     for r in range(args.repeats):
@@ -354,6 +363,8 @@ def main(argv=None) -> int:
         if r["config"].removesuffix(" +compiled") in ("mtp γ=auto", "dflash γ=auto"):
             note += f"; steps only {r['step_speedup']:.2f}x, predicted {r['predicted_speedup']:.2f}x; " \
                     f"steps by γ {r['gamma_hist']}"
+        if r["config"].endswith("+compiled"):
+            note += f"; compiled {r['compile_s']:.0f} s, warm-up included"
         if r["config"] == "transformers":
             note = "no MTP in transformers; its prompt lookup refuses this stateful model"
         if r["config"] == "llama.cpp":
