@@ -1,8 +1,9 @@
 """The compiled step (docs/DESIGN.md §12): the engine's hot calls through torch.compile, one static graph per bucket.
 
-A bucket is (Bp, K, kv): the batch padded up to a power of two (at most the slot count), K as the step asks,
-and the KV rows attention reads, max(seq_lens) + K rounded up to a power of two (at least KV_MIN, at most the
-cache's length); reading every cache row instead would cost more than all the rest of a short verify.
+Compiled: the target's verify (here), the MTP head's draft step and catch-up and the DFlash block forward
+(their proposers' compile()), and on CUDA the accept rule. A bucket is (Bp, K, kv): the batch padded up to
+a power of two (at most the slot count), K as the call asks, and the KV rows attention reads, the longest
+sequence after the call rounded up to a power of two (at least KV_MIN, at most the cache's length).
 Padding rows repeat row 0 (same ids, slot and length), so they compute and write exactly what row 0 does
 and no other slot is touched.
 
@@ -10,7 +11,12 @@ The Mamba and attention math runs in the graph, where inductor fuses it; only th
 as two opaque custom ops with their writes declared (`mamba_write`, `kv_write`), so the graph hands them
 the cache views and they write in place. Traced instead, a write into a slice of a cache buffer becomes a
 copy of the whole buffer and a copy back, every call. The cache buffers are static addresses and a graph
-has no host sync (fullgraph, dynamic=False), so on CUDA the same graphs can be captured as CUDA graphs.
+has no host sync (fullgraph), so on CUDA every graph is captured as a CUDA graph ("reduce-overhead").
+
+    1. Mamba            mamba_verify: the K-row recurrence, then mamba_write
+    2. attention        attention_verify: kv_write, then attention over the cache rows
+    3. buckets          Bucketed: pad, round kv, compile per bucket, time the compiling calls
+    4. entry points     compiled_verify, CompiledAcceptRule, use_compiled_ops
 """
 import time
 
@@ -62,7 +68,7 @@ def mamba_verify(xBC, dt, conv_state, ssm_state, slot_ids, conv_weight, conv_bia
     return y.to(xBC.dtype)
 
 
-# ---- 2. attention: read the cache, attend, write the K new rows in one op ----------------------------
+# ---- 2. attention: the K new rows written in one op, then attention over the slot's rows ------------
 @torch.library.custom_op("nano_spec::kv_write", mutates_args=("k_cache", "v_cache"))
 def kv_write(k_cache: Tensor, v_cache: Tensor, slot_ids: Tensor, pos: Tensor, k: Tensor, v: Tensor) -> None:
     """Rows k, v (B, K, Hkv, Dh) into the caches (S, L, Hkv, Dh) at slots slot_ids (B,), positions pos (B, K)."""
@@ -90,6 +96,7 @@ def attention_verify(q, k, v, k_cache, v_cache, slot_ids, seq_lens, scale: float
     return o.reshape(Bsz, K, Hq, Dh).to(q.dtype)
 
 
+# ---- 3. buckets ---------------------------------------------------------------------------------------
 KV_MIN = 256  # the smallest KV bucket: each bucket is one more graph to compile, and a short one saves little
 
 
@@ -139,21 +146,6 @@ class Timed:
         return out
 
 
-class CompiledAcceptRule(Timed):
-    """sampling.accept_rule compiled. It writes nothing, so its batch is not padded: a shape it has not seen
-    recompiles it once as a graph over any batch and K. Each engine adds its few variants (greedy or sampled,
-    with or without a grammar mask) to the recompile limit."""
-
-    def __init__(self, device):
-        super().__init__(device)
-        torch._dynamo.config.recompile_limit += 8
-        self.fn = compile_fn(accept_rule, device, dynamic=None)
-
-    def __call__(self, ops, logits, drafts, nd, sampling, q=None, uniforms=None, bitmask=None):
-        key = (logits.shape, sampling.all_greedy, q is None, bitmask is None)
-        return self.timed(key, self.fn, ops, logits, drafts, nd, sampling, q, uniforms, bitmask)
-
-
 def static_buffers(*tensors):
     """Buffers a compiled call reads or writes at a fixed address: passed as they are, never copied (and on
     CUDA, what a captured graph may keep)."""
@@ -190,6 +182,7 @@ class Bucketed(Timed):
         return (out[:B] if isinstance(out, torch.Tensor) else tuple(o[:B] for o in out)), Bp
 
 
+# ---- 4. entry points ----------------------------------------------------------------------------------
 def compiled_verify(model, cache: HybridCache) -> Bucketed:
     """verify(ids, slot_ids, seq_lens, cache, kv_len=) -> (logits (B, K, V), Bp): model.verify per bucket.
     The stashes are written at the padded shape: the caller reads them as cache.<stash>(Bp, K)[..., :B, ...]."""
@@ -204,3 +197,18 @@ def use_compiled_ops(model):
     if model.ops.backend != "torch":
         raise ValueError("compile: needs backend='torch' (the Triton kernels are not wrapped for compile)")
     model.ops.mamba_verify, model.ops.attention_verify = mamba_verify, attention_verify
+
+
+class CompiledAcceptRule(Timed):
+    """sampling.accept_rule compiled. It writes nothing, so its batch is not padded: a shape it has not seen
+    recompiles it once as a graph over any batch and K. Each engine adds its few variants (greedy or sampled,
+    with or without a grammar mask) to the recompile limit."""
+
+    def __init__(self, device):
+        super().__init__(device)
+        torch._dynamo.config.recompile_limit += 8
+        self.fn = compile_fn(accept_rule, device, dynamic=None)
+
+    def __call__(self, ops, logits, drafts, nd, sampling, q=None, uniforms=None, bitmask=None):
+        key = (logits.shape, sampling.all_greedy, q is None, bitmask is None)
+        return self.timed(key, self.fn, ops, logits, drafts, nd, sampling, q, uniforms, bitmask)

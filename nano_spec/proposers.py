@@ -7,6 +7,7 @@ A proposer is any object with
                                        its first token
     draft(seqs, gamma, uniforms)       -> Drafts: γ drafts per sequence, at the start of a step
     catch_up(seqs, rows, na)           after the accept rule: the step's VerifiedRows and na (B,) accepted drafts
+    compile()                          optional: under LLM(compile=True), its drafting calls through torch.compile
 
 It keeps its own state, indexed by `seq.slot` (the MTP head keeps its KV rows and the
 row that draft 1 grows from), and never writes the engine's. `uniforms` (B, γ) is its
@@ -206,6 +207,7 @@ class MTPProposer:
         return o, self.model.mtp_logits(o)
 
     def compile(self):
+        """Both calls per bucket (nano_spec/compiled.py); the KV rows are written in place."""
         from nano_spec.compiled import Bucketed, static_buffers, use_compiled_ops
 
         use_compiled_ops(self.model)
@@ -215,6 +217,7 @@ class MTPProposer:
                          "_next": Bucketed(self._next, 4, S, L, 1, self.k.device)}
 
     def _call(self, name: str, *args, kv_len: int):
+        """self.<name>(*args, kv_len), through its compiled buckets once compile() has run."""
         if self.compiled is None:
             return getattr(self, name)(*args, kv_len)
         return self.compiled[name](*args, kv_len=kv_len)[0]
