@@ -151,23 +151,19 @@ class HybridLM(nn.Module):
         self.model = Backbone(cfg)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.mtp = MTPHead(cfg) if cfg.has_mtp else None
-        self.register_buffer("head_weight", None, persistent=False)  # the head's weight as for_inference lays it
 
     def for_inference(self):
         """The layout inference runs fastest in; the weights on disk do not change.
           - one q/k/v GEMM per attention call;
-          - on the CPU, every linear weight (and the head) stored transposed, (in, out) in memory: for the few
+          - on the CPU, every linear weight and the embedding stored transposed, (in, out) in memory: for the few
             rows of a decode step torch's CPU GEMM streams that layout about 1.5x faster than (out, in)
             (docs/BENCHMARKS.md, "The compiled step"). The tensors keep their (out, in) shape."""
         for m in self.modules():
             if isinstance(m, Attention):
                 m.fuse_qkv()
-        head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self.head_weight = head.detach()
-        if head.device.type == "cpu":
-            self.head_weight = in_major(self.head_weight)  # a copy when tied: the embedding gathers rows
-            for m in self.modules():
-                if isinstance(m, nn.Linear):
+        if self.model.embed_tokens.weight.device.type == "cpu":
+            for m in self.modules():  # the embedding too: it is the tied head, and gathers strided rows fine
+                if isinstance(m, (nn.Linear, nn.Embedding)):
                     m.weight.data = in_major(m.weight.data)
                 if isinstance(m, Attention):
                     m.qkv_weight = in_major(m.qkv_weight)
@@ -179,9 +175,7 @@ class HybridLM(nn.Module):
 
     def logits(self, y):
         """Final-normed hidden (..., D) -> logits (..., V)."""
-        w = self.head_weight
-        if w is None:
-            w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(y, w) / self.cfg.logits_scaling
 
     def _stack(self, h, layers, final_norm: Norm | None, mix, tap=None):

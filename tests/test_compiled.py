@@ -41,6 +41,8 @@ def test_compiled_tokens_equal_eager(ckpt, proposer, gamma):
             assert sum(eager.planner.hist.values()) == eager.scheduler.steps
             assert 0 < sum(compiled.planner.hist.values()) < compiled.scheduler.steps
     assert compiled.runner.compiled is not None and eager.runner.compiled is None
+    if proposer == "mtp":  # the draft step and the catch-up ran compiled
+        assert all(b.seen for b in compiled.proposer.compiled.values()) and eager.proposer.compiled is None
 
 
 def test_buckets():

@@ -170,10 +170,13 @@ def test_lossless_triton_backend(ckpt):
 
 
 def test_lossless_compiled(ckpt):
-    """compile=True: the verify's tap rows are written inside the compiled graph (docs/DESIGN.md §12). Compile
-    takes the torch backend, so plain decoding is on the CPU's torch backend too (CUDA picks triton)."""
+    """compile=True: the verify's tap rows are written inside the compiled graph and the block forward drafts
+    compiled (docs/DESIGN.md §12). Compile takes the torch backend, so plain decoding is on the CPU's torch
+    backend too (CUDA picks triton)."""
     cpu = dict(backend="torch", device="cpu")
-    assert generate(ckpt, "dflash", 3, compile=True, **cpu)[1] == generate(ckpt, **cpu)[1]
+    llm, out = generate(ckpt, "dflash", 3, compile=True, **cpu)
+    assert out == generate(ckpt, **cpu)[1]
+    assert llm.proposer.compiled.seen and llm.proposer.compiled.seconds > 0
 
 
 def test_lossless_under_a_grammar(ckpt):
