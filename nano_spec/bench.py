@@ -10,7 +10,7 @@ prints a table, the targets of the README and, last, one JSON line.
 With --json-schema FILE every nano_spec configuration also runs under that schema
 ("+schema"), its outputs checked against plain decoding under the same schema.
 With --compile every nano_spec configuration also runs with LLM(compile=True) ("+compiled", backend
-torch), warmed up on the whole prompt set so that no graph compiles inside a timed round.
+torch), warmed up on the whole prompt set until a pass compiles no new graph (at most WARM_PASSES).
 With --vs-llama-cpp MODEL.gguf, at batch 1, llama-cpp-python decodes the same token ids, one prompt at
 a time, on a GGUF of the same base weights (docs/BENCHMARKS.md, "Beside llama.cpp").
 

@@ -141,9 +141,12 @@ class Timed:
             out = fn(*args)  # compiles the graph, or loads it from the on-disk cache
             self.seen.add(key)
             self.seconds += time.perf_counter() - t0
-        if self.cuda:
-            out = out.clone() if isinstance(out, Tensor) else tuple(o.clone() for o in out)
-        return out
+        return each(out, Tensor.clone) if self.cuda else out
+
+
+def each(out, f):
+    """f applied to a call's output: one tensor, or every tensor of a tuple."""
+    return f(out) if isinstance(out, Tensor) else tuple(f(o) for o in out)
 
 
 def static_buffers(*tensors):
@@ -179,7 +182,7 @@ class Bucketed(Timed):
                 list(args[self.batched:])
         key = (kv, *(tuple(t.shape) if isinstance(t, torch.Tensor) else t for t in args))
         out = self.timed(key, self.fn, *args, kv)
-        return (out[:B] if isinstance(out, torch.Tensor) else tuple(o[:B] for o in out)), Bp
+        return each(out, lambda t: t[:B]), Bp
 
 
 # ---- 4. entry points ----------------------------------------------------------------------------------
