@@ -24,7 +24,9 @@ import copy
 import functools
 import json
 import math
+import os
 import random
+import shutil
 import sys
 import sysconfig
 import tempfile
@@ -258,6 +260,51 @@ def eval_prompts(tok: Tokenizer, held, n: int, seed: int, lo: int = 100, hi: int
             elif len(out) < n:
                 out.append(c)
     return out
+
+
+# ---- outputs (train_mtp.py and train_dflash.py write theirs through these) -----------------------
+class Diverged(RuntimeError):
+    """Training produced a NaN or an infinity: the run stops and writes nothing (the scripts exit 1 with one line)."""
+
+
+def require_finite(step: int, tensors: dict):
+    """Raise Diverged naming the first of tensors ({name: tensor}) holding a NaN or an infinity, so a diverged run
+    never saves its weights over a good output."""
+    for name, t in tensors.items():
+        if not torch.isfinite(t).all():
+            raise Diverged(f"training diverged: non-finite {name} at step {step}; try a lower --lr "
+                           "(the output directory is left as it was)")
+
+
+def replace_dir(out: Path, fill):
+    """out <- the directory fill(tmp) writes, so that an interruption at any point leaves the old output or the new
+    one, never neither: the new one is written beside out (the same file system, so each move is one rename), the
+    old one moved aside, the new one moved in, then the old one deleted.
+
+    What an interrupted earlier call left beside out: half-written temporaries are deleted; the aside copy is a
+    stale one when out exists (killed while deleting it), else the old output itself (killed between the two
+    moves), which stays until the new one is in place and goes back to out when this call fails too."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    aside, prefix = out.parent / f".{out.name}.old", f".{out.name}.new-"
+    for p in out.parent.iterdir():
+        if p.name.startswith(prefix):
+            shutil.rmtree(p)
+    if aside.exists() and out.exists():
+        shutil.rmtree(aside)
+    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=out.parent))
+    try:
+        fill(tmp)
+        if out.exists():
+            os.replace(out, aside)
+        os.replace(tmp, out)
+    except BaseException:
+        if aside.exists() and not out.exists():
+            os.replace(aside, out)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if aside.exists():
+        shutil.rmtree(aside)
 
 
 # ---- the run -----------------------------------------------------------------------------------

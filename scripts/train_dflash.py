@@ -28,24 +28,24 @@ bf16 autocast (--amp). --minutes counts training-step time only (evaluations and
 The corpus and the held-out windows are train_mtp.py's: the Python standard library's training split
 by default (its held-out modules never train), or --corpus FILE|DIR with its last windows held out.
 The held-out windows are evaluated (loss, agreement by position) before and after training, with the
-same anchors both times.
+same anchors both times; with none (--eval-windows 0) nothing is evaluated and the log's held_out is null.
 
 --out gets the drafter as nano_spec.dflash.load_drafter reads it (config.json with dflash_config,
-model.safetensors in the base's stored dtype) and dflash_train_log.json, written together atomically.
+model.safetensors in the base's stored dtype) and dflash_train_log.json, swapped in together (train.replace_dir):
+an interrupted save leaves the old output or the new one. A NaN or infinite loss or weight stops the run with
+exit 1 and one line, and writes nothing.
 The engine looks for a checkpoint's drafter in <checkpoint>/dflash/, so `--out BASE/dflash` is the
 natural place; an existing --out that is not this script's output is refused.
 """
-import copy
 import functools
 import json
 import math
-import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: train_mtp.py, train.py, arg_types.py
@@ -56,7 +56,7 @@ from arg_types import Parser, device, existing_path, indices, integer, number, t
 from nano_spec import ssd  # noqa: E402
 from nano_spec.config import ModelConfig  # noqa: E402
 from nano_spec.dflash import DFlashConfig, DFlashDrafter  # noqa: E402
-from nano_spec.weights import load_model, save_model, stored_dtype  # noqa: E402
+from nano_spec.weights import load_model, stored_dtype  # noqa: E402
 
 LOG_FILE = "dflash_train_log.json"
 
@@ -137,7 +137,7 @@ def evaluate(model, drafter, held, args, amp) -> dict:
     return {"loss": round(t[0], 4), "accept_len": round(t[1], 4), "ce": r(t[2:2 + K]), "agree": r(t[2 + K:])}
 
 
-def describe(ev: dict) -> str:
+def describe(ev: dict | None) -> str:
     """A held-out evaluation as two lines: loss and expected accepted length, then agreement by position."""
     if not ev:
         return "no held-out windows"
@@ -209,19 +209,25 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    run(args, base, out, cfg, dcfg, data)
+    try:
+        run(args, base, out, cfg, dcfg, data)
+    except base_train.Diverged as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
 def write_drafter(drafter: DFlashDrafter, out: Path, log: dict, dtype: torch.dtype):
-    """out <- config.json + model.safetensors (in dtype) + LOG_FILE, atomically (save_model)."""
-    fd, tmp = tempfile.mkstemp(suffix=".json")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(json.dumps(log, indent=1) + "\n")
-        save_model(copy.deepcopy(drafter).to(dtype), out, extra_files={LOG_FILE: tmp})
-    finally:
-        os.unlink(tmp)
+    """out <- config.json + model.safetensors (in dtype) + LOG_FILE, swapped in atomically (train.replace_dir);
+    a drafter with a NaN or an infinity is refused (train.Diverged), out left as it is."""
+    state = {n: t.detach().to("cpu", dtype).contiguous() for n, t in drafter.state_dict().items()}
+    base_train.require_finite(log["steps"], state)  # as stored: fp16 turns a huge finite weight into inf
+
+    def fill(tmp: Path):  # what save_model writes, plus the log
+        (tmp / "config.json").write_text(json.dumps(drafter.cfg.to_dict(), indent=2) + "\n", encoding="utf-8")
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / LOG_FILE).write_text(json.dumps(log, indent=1) + "\n", encoding="utf-8")
+    base_train.replace_dir(out, fill)
 
 
 def run(args, base: Path, out: Path, cfg: ModelConfig, dcfg: DFlashConfig, data: tuple):
@@ -257,10 +263,15 @@ def run(args, base: Path, out: Path, cfg: ModelConfig, dcfg: DFlashConfig, data:
     perm, cursor, epoch = torch.randperm(len(train_w), generator=order), 0, 0
     save_dtype = stored_dtype(base)
     budget = 60.0 * args.minutes
-    drafter.eval()
-    evals = [{"step": 0, "minutes": 0.0, **evaluate(model, drafter, held_w, args, amp)}]
-    log(f"held-out before training: {describe(evals[-1])}")
     history, step, tokens, train_s, ema = [], 0, 0, 0.0, None
+
+    def held_out():  # None without held-out windows (--eval-windows 0, or a --corpus too small to spare any)
+        ev = evaluate(model, drafter, held_w, args, amp)
+        return {"step": step, "minutes": round(train_s / 60, 2), **ev} if ev else None
+
+    drafter.eval()
+    before = held_out()
+    log(f"held-out before training: {describe(before)}")
     bar = train_mtp.Progress(args.log_every)
     K = args.block - 1
 
@@ -280,6 +291,7 @@ def run(args, base: Path, out: Path, cfg: ModelConfig, dcfg: DFlashConfig, data:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(params, args.clip).item()
+        base_train.require_finite(step + 1, {"loss": loss.detach()})  # no extra wait: .item() above synchronised
         opt.step()
         dt = time.time() - t_step
         train_s += dt
@@ -304,17 +316,18 @@ def run(args, base: Path, out: Path, cfg: ModelConfig, dcfg: DFlashConfig, data:
     bar.done()
 
     drafter.eval()
-    evals.append({"step": step, "minutes": round(train_s / 60, 2), **evaluate(model, drafter, held_w, args, amp)})
+    after = held_out()
+    evals = [ev for ev in (before, after) if ev]
     d = {"finished": True, "command": " ".join([Path(sys.executable).name] + sys.argv), "args": vars(args),
          "base": str(base.resolve()), "corpus": source, "drafter": dcfg.to_dict(), "drafter_params": n_drafter,
          "loss_weights": [round(x, 4) for x in w], "steps": step, "epochs": epoch, "tokens_seen": tokens,
          "train_seconds": round(train_s, 1), "minutes": round(train_s / 60, 2),
          "tokens_per_second": round(tokens / max(train_s, 1e-9), 1), "saved_dtype": str(save_dtype),
-         "held_out_before": evals[0], "held_out": evals[-1], "agree_by_position": evals[-1].get("agree", []),
+         "held_out_before": before, "held_out": after, "agree_by_position": after["agree"] if after else [],
          "evals": evals, "history": history}
     write_drafter(drafter, out, d, save_dtype)
-    log(f"held-out before training: {describe(evals[0])}")
-    log(f"held-out after {step} steps: {describe(evals[-1])}")
+    log(f"held-out before training: {describe(before)}")
+    log(f"held-out after {step} steps: {describe(after)}")
     log(f"saved {out}: {step} steps, {tokens:,} tokens in {train_s / 60:.1f} min of training "
         f"({tokens / max(train_s, 1e-9):,.0f} tok/s); wall {time.time() - t0:.0f}s")
 

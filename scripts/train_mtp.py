@@ -43,6 +43,8 @@ plus mtp.safetensors (the head only, in the base's stored dtype), config.json wi
 num_nextn_predict_layers: 1 and mtp_train_log.json; load_model reads the base and
 head files together. --save-at M writes the same at M minutes of training to
 OUT-Mmin. --minutes counts training-step time only (evaluations and saves excluded).
+Each is swapped in whole (train.replace_dir): an interrupted save leaves the old output or the new one.
+A NaN or infinite loss or head weight stops the run with exit 1 and one line; nothing more is written.
 """
 import dataclasses
 import functools
@@ -50,7 +52,6 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -242,25 +243,21 @@ def link_or_copy(src: Path, dst: Path):
 
 
 def write_checkpoint(model, base: Path, out: Path, log: dict, save_dtype: torch.dtype):
-    """out <- the base's files untouched + mtp.safetensors + config.json (num_nextn_predict_layers: 1); atomic."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    """out <- the base's files untouched + mtp.safetensors + config.json (num_nextn_predict_layers: 1), swapped in
+    atomically (train.replace_dir); a head with a NaN or an infinity is refused (train.Diverged), out left as it is."""
+    head = {f"mtp.{n}": t.detach().to("cpu", save_dtype).contiguous() for n, t in model.mtp.state_dict().items()}
+    base_train.require_finite(log["steps"], head)  # as stored: fp16 turns a huge finite weight into inf
+
+    def fill(tmp: Path):
         for f in sorted(base.iterdir()):
             if f.is_file() and f.name not in ("config.json", HEAD_FILE, LOG_FILE):
                 link_or_copy(f, tmp / f.name)
         config = json.loads((base / "config.json").read_text(encoding="utf-8"))  # every other field as the base has it
         config["num_nextn_predict_layers"] = 1
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-        head = {f"mtp.{n}": t.detach().to("cpu", save_dtype).contiguous() for n, t in model.mtp.state_dict().items()}
         save_file(head, str(tmp / HEAD_FILE), metadata={"format": "pt"})
         (tmp / LOG_FILE).write_text(json.dumps(log, indent=1) + "\n", encoding="utf-8")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    base_train.replace_dir(out, fill)
 
 
 def snapshot_path(out: Path, minutes: float) -> Path:
@@ -280,6 +277,8 @@ def check_dirs(base: Path, out: Path, save_at=(), log_file: str = LOG_FILE, scri
         raise ValueError(f"--base: {base} has no tokenizer.json (the corpus is tokenized with it)")
     b = base.resolve()
     for flag, path in [("--out", out)] + [("--save-at", snapshot_path(out, m)) for m in save_at]:
+        if path.is_symlink():  # the save swaps directories by renaming: it would replace the link, not its target
+            raise ValueError(f"{flag}: {path} is a symbolic link; name the directory itself ({path.resolve()})")
         p = path.resolve()
         if p == b or (b in p.parents and not inside_base):
             raise ValueError(f"{flag}: {path} must not be the base directory"
@@ -383,7 +382,11 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    run(args, base, out, cfg, data, init_head)
+    try:
+        run(args, base, out, cfg, data, init_head)
+    except base_train.Diverged as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -459,6 +462,7 @@ def run(args, base: Path, out: Path, cfg: ModelConfig, data: tuple, init_head: d
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(params, args.clip).item()
+        base_train.require_finite(step + 1, {"loss": loss.detach()})  # no extra wait: .item() above synchronised
         opt.step()
         dt = time.time() - t_step
         train_s += dt

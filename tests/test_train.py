@@ -1,5 +1,8 @@
-"""The chunked SSD scan used for training equals the recurrent reference, and the training script runs end to end."""
+"""The chunked SSD scan used for training equals the recurrent reference, the training script runs end to end, and
+the training scripts' output swap leaves the old output or the new one whatever interrupts it."""
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -85,3 +88,135 @@ def test_train_smoke(tmp_path):
     with torch.no_grad():
         logits = model(torch.tensor([ids[:20]]))
     assert logits.shape == (1, min(20, len(ids)), model.cfg.vocab_size) and torch.isfinite(logits).all()
+
+
+# ---- the atomic output swap (scripts/train.py replace_dir, used by train_mtp.py and train_dflash.py) --------------
+OLD = {"config.json": b"old config", "sub/weights.bin": b"old weights"}
+NEW = {"config.json": b"new config", "weights.bin": b"new weights", "log.json": b"new log"}
+
+
+def tree(path: Path):
+    """{relative path: bytes} of every file under path; None when path is not a directory."""
+    return {f.relative_to(path).as_posix(): f.read_bytes() for f in path.rglob("*") if f.is_file()} \
+        if path.is_dir() else None
+
+
+def write_tree(d: Path, files: dict, hit=lambda step: None):
+    for i, (name, data) in enumerate(files.items()):
+        (d / name).parent.mkdir(parents=True, exist_ok=True)
+        (d / name).write_bytes(data)
+        if i == 0:
+            hit("fill")  # an interruption half-way through the writing
+
+
+@pytest.mark.parametrize("mode", ["interrupt", "kill"])
+def test_replace_dir_any_interruption_leaves_the_old_or_the_new_output(tmp_path, monkeypatch, mode):
+    """Every file-system step of a save (and the writing) interrupted in turn. `interrupt`: that step raises and the
+    save's own clean-up runs; `kill`: every step from it on fails too, as if the process died there. Either way the
+    old output or the new one survives complete; the next save restores or clears what was left beside --out."""
+    from helpers import load_script
+
+    train = load_script("train")
+    real = {"replace": os.replace, "rmtree": shutil.rmtree}
+    seen = set()
+    for k in range(1, 50):
+        out = tmp_path / str(k) / "out"
+        out.mkdir(parents=True)
+        write_tree(out, OLD)
+        steps = []
+
+        def hit(step):
+            steps.append(step)
+            if len(steps) == k or (mode == "kill" and len(steps) > k):
+                raise KeyboardInterrupt(step)
+
+        def patched(name):
+            def call(*a, **kw):
+                hit(name)
+                return real[name](*a, **kw)
+            return call
+
+        monkeypatch.setattr(os, "replace", patched("replace"))
+        monkeypatch.setattr(shutil, "rmtree", patched("rmtree"))
+        try:
+            train.replace_dir(out, lambda d: write_tree(d, NEW, hit))
+            finished = True
+        except KeyboardInterrupt:
+            finished = False
+        monkeypatch.undo()
+        if finished:
+            assert tree(out) == NEW and [p.name for p in out.parent.iterdir()] == ["out"]
+            break
+        seen.add(steps[k - 1])
+        beside = [tree(p) for p in out.parent.iterdir()]
+        assert OLD in beside or NEW in beside, (k, steps, beside)
+        if mode == "interrupt":
+            assert tree(out) in (OLD, NEW), (k, steps)
+
+        def fail(d):
+            raise OSError("disk full")
+
+        with pytest.raises(OSError, match="disk full"):  # the next save fails while writing: the survivor stays
+            train.replace_dir(out, fail)
+        assert tree(out) in (OLD, NEW) and [p.name for p in out.parent.iterdir()] == ["out"], (k, steps)
+        train.replace_dir(out, lambda d: write_tree(d, NEW))
+        assert tree(out) == NEW and [p.name for p in out.parent.iterdir()] == ["out"], (k, steps)
+    assert finished and seen >= {"fill", "replace", "rmtree"}, seen
+
+
+@pytest.fixture
+def writers(tmp_path):
+    """name -> (write(out, log), the module whose weights it saves): train_mtp.write_checkpoint on a small head and
+    train_dflash.write_drafter on a small drafter."""
+    from types import SimpleNamespace
+
+    from helpers import load_script, tiny_checkpoint, tiny_config
+    from nano_spec.dflash import DFlashConfig, DFlashDrafter
+    from nano_spec.ops import Ops
+
+    base = tiny_checkpoint(tmp_path / "base", num_nextn_predict_layers=0)
+    mtp, dflash = load_script("train_mtp"), load_script("train_dflash")
+    head = SimpleNamespace(mtp=torch.nn.Linear(4, 4))
+    drafter = DFlashDrafter(DFlashConfig.for_target(tiny_config(), num_layers=1, block_size=4), Ops("torch"))
+    return {"mtp": (lambda out, log: mtp.write_checkpoint(head, base, out, log, torch.float32), head.mtp),
+            "dflash": (lambda out, log: dflash.write_drafter(drafter, out, log, torch.float32), drafter)}
+
+
+def test_both_scripts_save_through_the_swap(tmp_path, monkeypatch, writers):
+    """train_mtp.write_checkpoint and train_dflash.write_drafter: a failure moving the new output in leaves the
+    earlier output there, byte for byte."""
+    for name, (write, _) in writers.items():
+        out = tmp_path / name
+        write(out, {"steps": 1})
+        before = tree(out)
+        real, failed = os.replace, []
+
+        def replace(src, dst):
+            if Path(dst) == out and not failed:  # once: the move of a finished output into place
+                failed.append(src)
+                raise OSError("interrupted")
+            return real(src, dst)
+
+        monkeypatch.setattr(os, "replace", replace)
+        with pytest.raises(OSError, match="interrupted"):
+            write(out, {"steps": 2})
+        monkeypatch.undo()
+        assert failed and tree(out) == before, name
+
+
+def test_both_scripts_refuse_to_save_non_finite_weights(tmp_path, writers):
+    """A weight turned NaN or infinite: the writer raises (train.Diverged, a RuntimeError) and the earlier output
+    stays byte for byte."""
+    for name, (write, module) in writers.items():
+        out = tmp_path / name
+        write(out, {"steps": 1})
+        before = tree(out)
+        weight = next(p for n, p in module.named_parameters() if n.endswith("weight") and p.dim() == 2)
+        for bad in (float("nan"), float("inf")):
+            with torch.no_grad():
+                saved, weight[0, 0] = weight[0, 0].item(), bad
+            with pytest.raises(RuntimeError, match="non-finite"):
+                write(out, {"steps": 2})
+            with torch.no_grad():
+                weight[0, 0] = saved
+            assert tree(out) == before and sorted(p.name for p in tmp_path.iterdir() if name in p.name) == [name]

@@ -1,5 +1,6 @@
 """scripts/train_dflash.py: a DFlash drafter trained for a frozen target, written where the engine reads it."""
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -129,3 +130,43 @@ def test_refusals_are_one_line(trained, tmp_path, capsys):
     assert not (tmp_path / "new").exists() and sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["notes.txt"]
     rc = train_dflash("--base", base, "--out", base / "dflash", "--minutes", "nan")  # as a user runs it
     assert rc.returncode == 2 and rc.stderr == "error: argument --minutes: must be a finite number > 0, got 'nan'\n"
+
+
+def files(d: Path) -> dict:
+    return {f.name: f.read_bytes() for f in d.iterdir()}
+
+
+def test_diverged_run_fails_and_keeps_the_earlier_output(trained, tmp_path, capsys):
+    """--lr 1e30 blows the drafter up: exit 1 with one line saying so, and the earlier output is left byte for byte."""
+    base, out, corpus, _ = trained
+    earlier = Path(shutil.copytree(out, tmp_path / "out"))
+    before = files(earlier)
+    argv = ["--base", base, "--out", earlier, "--corpus", corpus, *SMALL, "--lr", "1e30"]
+    assert load_script("train_dflash").main([str(a) for a in argv]) == 1
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("error: ") and "non-finite" in last and "--lr" in last, last
+    assert files(earlier) == before and [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_out_symlink_is_refused_before_training(trained, tmp_path, capsys):
+    """--out a symbolic link to an earlier output: exit 2 and one line naming --out before anything trains."""
+    base, out, corpus, _ = trained
+    before = files(out)
+    link = tmp_path / "link"
+    link.symlink_to(out, target_is_directory=True)
+    argv = ["--base", base, "--out", link, "--corpus", corpus, *SMALL]
+    assert load_script("train_dflash").main([str(a) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --out: ") and len(err.strip().splitlines()) == 1, err
+    assert link.is_symlink() and files(out) == before
+
+
+def test_eval_windows_0_trains_without_evaluating(trained, tmp_path, capsys):
+    """--eval-windows 0: no held-out evaluation, said so in the output and the log, and the drafter is written."""
+    base, _, corpus, _ = trained
+    argv = ["--base", base, "--out", tmp_path / "out", "--corpus", corpus, *SMALL, "--eval-windows", "0"]
+    assert load_script("train_dflash").main([str(a) for a in argv]) == 0
+    assert "no held-out windows" in capsys.readouterr().err
+    log = json.loads((tmp_path / "out" / "dflash_train_log.json").read_text())
+    assert log["steps"] == 3 and log["evals"] == [] and log["held_out_before"] is None and log["held_out"] is None
+    assert log["agree_by_position"] == [] and (tmp_path / "out" / "model.safetensors").is_file()

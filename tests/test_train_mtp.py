@@ -1,5 +1,6 @@
 """scripts/train_mtp.py: an MTP head trained for a frozen base that has none, stored beside the untouched base."""
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -104,3 +105,39 @@ def test_init_head_refusals_are_one_line(tmp_path, capsys):
         assert err.startswith("error: --init-head: ") and message in err, err
         assert len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "out").exists()
+
+
+def files(d: Path) -> dict:
+    return {f.name: f.read_bytes() for f in d.iterdir()}
+
+
+def tiny_run(base, out, corpus):
+    return [str(a) for a in ["--base", base, "--out", out, "--corpus", corpus, "--steps", 3, "--seq-len", 16,
+                             "--batch", 2, "--threads", 1, "--eval-windows", 2, "--amp", "none", "--warmup", 1]]
+
+
+def test_diverged_run_fails_and_keeps_the_earlier_output(trained, tmp_path, capsys):
+    """--lr 1e30 blows the head up: exit 1 with one line saying so, and the earlier output is left byte for byte."""
+    script = load_script("train_mtp")
+    base, out, _ = trained
+    earlier = Path(shutil.copytree(out, tmp_path / "out"))
+    before = files(earlier)
+    (tmp_path / "corpus.txt").write_text(CORPUS)
+    assert script.main(tiny_run(base, earlier, tmp_path / "corpus.txt") + ["--lr", "1e30"]) == 1
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("error: ") and "non-finite" in last and "--lr" in last, last
+    assert files(earlier) == before and sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt", "out"]
+
+
+def test_out_symlink_is_refused_before_training(trained, tmp_path, capsys):
+    """--out a symbolic link to an earlier output: exit 2 and one line naming --out before anything trains."""
+    script = load_script("train_mtp")
+    base, out, _ = trained
+    before = files(out)
+    link = tmp_path / "link"
+    link.symlink_to(out, target_is_directory=True)
+    (tmp_path / "corpus.txt").write_text(CORPUS)
+    assert script.main(tiny_run(base, link, tmp_path / "corpus.txt")) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --out: ") and len(err.strip().splitlines()) == 1, err
+    assert link.is_symlink() and files(out) == before
