@@ -14,22 +14,27 @@ transformers, sentencepiece). Steps:
      tokenizer with any other pre-tokenizer.
 f32 keeps the weights as nano_spec runs them, so greedy outputs can be compared token for token.
 """
-import argparse
 import json
+import os
 import runpy
-import shutil
 import sys
 import tempfile
 from pathlib import Path
 
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
-from nano_spec.llm import shipped_weights
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: arg_types
+from arg_types import Parser  # noqa: E402
+
+from nano_spec.llm import shipped_weights  # noqa: E402
+from nano_spec.weights import load_model  # noqa: E402
 
 
 def converter_copy(src: Path, dst: Path) -> int:
     """Step 1: the base model of src in dst -> tensors written."""
-    tensors = {k: v.contiguous() for k, v in load_file(src / "model.safetensors").items() if not k.startswith("mtp.")}
+    # read as the engine reads them on a CPU (f32): a truncated or corrupt file is a one-line CheckpointError
+    state = load_model(src).state_dict()
+    tensors = {k: v.contiguous() for k, v in state.items() if not k.startswith("mtp.")}
     save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
     cfg = json.loads((src / "config.json").read_text())
     cfg["num_nextn_predict_layers"] = 0
@@ -49,19 +54,21 @@ def converter_copy(src: Path, dst: Path) -> int:
 
 def convert(llama_cpp: Path, model: Path, out: Path, outtype: str):
     """Step 2: convert_hf_to_gguf.py in this process, with the pre-tokenizer declared."""
+    path, argv = sys.path[:], sys.argv
     sys.path[:0] = [str(llama_cpp), str(llama_cpp / "gguf-py")]
-    from conversion.base import TextModel  # the converter's own package, from the llama.cpp tree
-
-    TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
-    argv, sys.argv = sys.argv, ["convert_hf_to_gguf.py", str(model), "--outtype", outtype, "--outfile", str(out)]
     try:
+        from conversion.base import TextModel  # the converter's own package, from the llama.cpp tree
+
+        TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+        sys.argv = ["convert_hf_to_gguf.py", str(model), "--outtype", outtype, "--outfile", str(out)]
         runpy.run_path(str(llama_cpp / "convert_hf_to_gguf.py"), run_name="__main__")
     finally:
-        sys.argv = argv
+        sys.path[:], sys.argv = path, argv
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parse_args(argv):
+    """The arguments, each path checked before anything is read or converted (one line naming the flag, exit 2)."""
+    p = Parser(description=__doc__.split("\n")[0])
     p.add_argument("--llama-cpp", required=True, help="a llama.cpp source tree (holds convert_hf_to_gguf.py)")
     p.add_argument("--out", required=True, help="the GGUF file to write")
     p.add_argument("--model", help="checkpoint directory (default: the shipped weights)")
@@ -75,6 +82,17 @@ def main(argv=None) -> int:
         p.error(f"--model: {src} holds no model.safetensors")
     if out.exists():
         p.error(f"--out: {out} exists; choose a new path")
+    parent = out.parent  # the conversion takes a while: a path it cannot write to is refused first
+    if not parent.is_dir():
+        p.error(f"--out: {parent} is not a directory" if parent.exists() else
+                f"--out: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        p.error(f"--out: directory {parent} is not writable")
+    return args, llama_cpp, src, out
+
+
+def main(argv=None) -> int:
+    args, llama_cpp, src, out = parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         try:
             n = converter_copy(src, Path(tmp))
@@ -82,9 +100,16 @@ def main(argv=None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
         print(f"{n} base tensors of {src} (no mtp.*) -> {out}", file=sys.stderr)
-        part = Path(tmp) / "out.gguf"  # moved into place only once the converter has finished
-        convert(llama_cpp, Path(tmp), part, args.outtype)
-        shutil.move(part, out)
+        # written beside --out, then renamed over it: a failure midway (or a move across file systems, which
+        # copies) never leaves a partial GGUF at --out
+        fd, part = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".part", dir=out.parent)
+        os.close(fd)
+        try:
+            convert(llama_cpp, Path(tmp), Path(part), args.outtype)
+            os.replace(part, out)
+        except BaseException:
+            Path(part).unlink(missing_ok=True)
+            raise
     return 0
 
 
