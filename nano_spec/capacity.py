@@ -11,7 +11,7 @@ import torch
 
 from nano_spec.cache import cache_bytes
 from nano_spec.config import ModelConfig
-from nano_spec.dflash import DFlashConfig, DFlashDrafter
+from nano_spec.dflash import DFlashConfig
 from nano_spec.model import HybridLM
 from nano_spec.proposers import DFlashProposer, MTPProposer
 from nano_spec.runner import cache_len
@@ -30,10 +30,10 @@ def available_bytes(device: torch.device) -> int:
 
 def weight_bytes(cfg: ModelConfig, dtype, drafter: DFlashConfig | None = None) -> int:
     """Bytes of the model's weights (and a DFlash drafter's) in dtype, counted on the meta device (nothing is
-    allocated)."""
+    allocated); the drafter's from its sizes, so not even its modules are built before the memory is checked."""
     with torch.device("meta"):
         n = sum(p.numel() for p in HybridLM(cfg).parameters())
-        n += sum(p.numel() for p in DFlashDrafter(drafter, None).parameters()) if drafter else 0
+    n += drafter.num_parameters if drafter else 0
     return n * torch.tensor([], dtype=dtype).element_size()
 
 

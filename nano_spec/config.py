@@ -31,6 +31,14 @@ def is_int(v, lo: int = 0, hi: float = math.inf) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
 
 
+def is_finite(v) -> bool:
+    """An int or float a float holds finitely (not NaN, infinity or an int past 1.8e308); a bool is not one."""
+    try:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    except OverflowError:  # math.isfinite converts an int to a float first
+        return False
+
+
 class ConfigError(ValueError):
     """A config.json that nano_spec cannot build a model from; the message names the field."""
 
@@ -164,7 +172,7 @@ class ModelConfig:
                 raise ConfigError(f"{name}: {v!r} is not an integer in [0, {cap}]")
         for name in FLOATS:
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            if not is_finite(v):
                 raise ConfigError(f"{name}: {v!r} is not a finite number")
         for name in BOOLS:  # the string "false" would count as true
             if not isinstance(getattr(self, name), bool):

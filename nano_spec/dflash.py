@@ -26,14 +26,14 @@ Stored as the reference implementation stores it (its `DFlashDraftModel`): a Qwe
 model.safetensors with the reference's weight names.
 """
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nano_spec.config import ModelConfig, is_int
+from nano_spec.config import LIMITS, ModelConfig, is_finite, is_int
 from nano_spec.model import Norm  # a weight; the math is ops.rmsnorm, in fp32 as the target's
 from nano_spec.weights import load_tensors, tensor_index
 from nano_spec_kernels.common import apply_rope_ref
@@ -49,6 +49,17 @@ def default_taps(num_target_layers: int, num_layers: int) -> list:
     spread = lambda lo, hi: [round(lo + i * (hi - lo) / (n - 1)) for i in range(n)]  # noqa: E731
     taps = spread(1, L - 3)
     return taps if len(set(taps)) == n and L > 3 else spread(0, L - 1)
+
+
+SIZES = {  # field: (least, most) accepted; the target's caps (config.LIMITS) where a target size matches
+    "hidden_size": (1, LIMITS["hidden_size"]), "num_hidden_layers": (1, LIMITS["num_hidden_layers"]),
+    "num_attention_heads": (1, LIMITS["num_attention_heads"]),
+    "num_key_value_heads": (1, LIMITS["num_key_value_heads"]),
+    "head_dim": (2, LIMITS["hidden_size"]), "intermediate_size": (1, LIMITS["shared_intermediate_size"]),
+    "vocab_size": (1, LIMITS["vocab_size"]), "num_target_layers": (1, LIMITS["num_hidden_layers"]),
+    "block_size": (2, 64), "max_position_embeddings": (1, LIMITS["max_position_embeddings"]),
+}
+NUMBERS = ("input_embedding_scale", "output_multiplier", "rms_norm_eps", "rope_theta")
 
 
 @dataclass
@@ -86,6 +97,43 @@ class DFlashConfig:
                    input_embedding_scale=cfg.embedding_multiplier, output_multiplier=1.0 / cfg.logits_scaling,
                    rms_norm_eps=cfg.rms_norm_eps, max_position_embeddings=cfg.max_position_embeddings)
 
+    def __post_init__(self):
+        """Every field checked, whoever builds the config, so a drafter is only ever built from sizes in bounds;
+        the first field that is wrong is named."""
+        for name, (lo, hi) in SIZES.items():
+            if not is_int(getattr(self, name), lo, hi):
+                raise ValueError(f"drafter: {name}: {getattr(self, name)!r} is not an integer in [{lo}, {hi}]")
+        for name in NUMBERS:
+            if not is_finite(getattr(self, name)):
+                raise ValueError(f"drafter: {name}: {getattr(self, name)!r} is not a finite number")
+        Hq, Hkv, V, L, taps = (self.num_attention_heads, self.num_key_value_heads, self.vocab_size,
+                               self.num_target_layers, self.target_layer_ids)
+        rules = (  # valid, the message naming the field
+            (Hq % Hkv == 0, f"num_key_value_heads: {Hkv} does not divide num_attention_heads {Hq}"),
+            (self.head_dim % 2 == 0, f"head_dim: {self.head_dim} must be even (RoPE rotates pairs)"),
+            (is_int(self.mask_token_id, 0, V - 1), f"mask_token_id: {self.mask_token_id!r} is not a token id below "
+                                                   f"vocab_size {V}"),
+            (isinstance(taps, list) and len(taps) > 0 and all(is_int(i, 0, L - 1) for i in taps)
+             and len(set(taps)) == len(taps),
+             f"target_layer_ids: {taps!r} must be a non-empty list of distinct layer indices of the target "
+             f"(0 .. {L - 1})"),
+            (self.output_multiplier != 0, "output_multiplier: 0 would make every draft logit equal"),
+            (self.rms_norm_eps > 0, f"rms_norm_eps: {self.rms_norm_eps!r} must be positive"),
+            (self.rope_theta > 0, f"rope_theta: {self.rope_theta!r} must be positive"),
+        )
+        for valid, message in rules:
+            if not valid:
+                raise ValueError(f"drafter: {message}")
+
+    @property
+    def num_parameters(self) -> int:
+        """The drafter's parameter count from its sizes, without building it (capacity counts it first)."""
+        D, Dh, I = self.hidden_size, self.head_dim, self.intermediate_size
+        q, kv = self.num_attention_heads * Dh, self.num_key_value_heads * Dh
+        attention = 2 * D * q + 2 * D * kv + 2 * Dh  # q_proj and o_proj, k_proj and v_proj, q_norm and k_norm
+        layer = attention + 3 * D * I + 2 * D        # the SwiGLU's three projections, the two norms
+        return self.num_hidden_layers * layer + len(self.target_layer_ids) * D * D + 2 * D  # fc, norm, hidden_norm
+
     DRAFT_FIELDS = ("target_layer_ids", "block_size", "mask_token_id", "input_embedding_scale", "output_multiplier")
 
     def to_dict(self) -> dict:
@@ -98,35 +146,45 @@ class DFlashConfig:
 
     @classmethod
     def from_file(cls, path: Path) -> "DFlashConfig":
+        """Read a drafter's config.json; every field is checked (__post_init__), naming the first that is wrong."""
         try:
             d = json.loads(Path(path).read_text(encoding="utf-8"))
-            draft = d["dflash_config"]
-            rope = (d.get("rope_parameters") or {}).get("rope_theta", d.get("rope_theta", 10_000.0))
-            names = [f for f in cls.__dataclass_fields__ if f not in cls.DRAFT_FIELDS and f != "rope_theta"]
-            return cls(**{f: d[f] for f in names if f in d}, **{f: draft[f] for f in cls.DRAFT_FIELDS if f in draft},
-                       rope_theta=rope)
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ValueError(f"drafter: cannot read {path}: {e}") from None
-        except (KeyError, TypeError) as e:
-            raise ValueError(f"drafter: {path} is not a DFlash config (needs Qwen3 fields and dflash_config): "
-                             f"{e!r}") from None
+        if not isinstance(d, dict):
+            raise ValueError(f"drafter: {path} is not a DFlash config (a JSON object of Qwen3 fields and "
+                             "dflash_config)")
+        draft, rope = d.get("dflash_config"), d.get("rope_parameters") or {}
+        for name, value in (("dflash_config", draft), ("rope_parameters", rope)):
+            if not isinstance(value, dict):
+                raise ValueError(f"drafter: {name}: {value!r} is not a JSON object")
+        kw = {f: d[f] for f in cls.__dataclass_fields__ if f in d and f not in cls.DRAFT_FIELDS}
+        kw.update({f: draft[f] for f in cls.DRAFT_FIELDS if f in draft})
+        if "rope_theta" in rope:  # the newer spelling
+            kw["rope_theta"] = rope["rope_theta"]
+        missing = [f.name for f in fields(cls)
+                   if f.default is MISSING and f.default_factory is MISSING and f.name not in kw]
+        if missing:
+            raise ValueError(f"drafter: {', '.join(missing)}: missing from {path}")
+        cfg = cls(**kw)
+        if "rope_theta" in rope and d.get("rope_theta", cfg.rope_theta) != cfg.rope_theta:  # refused, not guessed
+            raise ValueError(f"drafter: rope_theta: {d['rope_theta']!r} but rope_parameters.rope_theta is "
+                             f"{cfg.rope_theta!r}")
+        return cfg
 
     def check(self, target: ModelConfig):
-        """Refuse a drafter that does not fit the target, naming the field."""
+        """Refuse a drafter that does not fit the target, naming the field (each field alone was checked when the
+        config was made)."""
         L = target.num_hidden_layers
         problems = [
-            (self.hidden_size == target.hidden_size, f"hidden_size {self.hidden_size} != the target's {target.hidden_size}"),
-            (self.vocab_size == target.vocab_size, f"vocab_size {self.vocab_size} != the target's {target.vocab_size}"),
-            (is_int(self.block_size, 2, 64), f"block_size {self.block_size!r} must be an integer in [2, 64]"),
-            (is_int(self.mask_token_id, 0, target.vocab_size - 1), f"mask_token_id {self.mask_token_id!r} is not a "
-             f"token id of the target"),
-            (bool(self.target_layer_ids) and all(is_int(i, 0, L - 1) for i in self.target_layer_ids) and
-             len(set(self.target_layer_ids)) == len(self.target_layer_ids),
-             f"target_layer_ids {self.target_layer_ids!r} must be distinct layer indices of the target (0 .. {L - 1})"),
-            (is_int(self.num_hidden_layers, 1) and is_int(self.num_key_value_heads, 1) and
-             is_int(self.num_attention_heads, 1) and self.num_attention_heads % self.num_key_value_heads == 0,
-             "num_attention_heads must be a multiple of num_key_value_heads"),
-            (is_int(self.head_dim, 2) and self.head_dim % 2 == 0, f"head_dim {self.head_dim!r} must be even (RoPE)"),
+            (self.hidden_size == target.hidden_size, f"hidden_size: {self.hidden_size} != the target's "
+                                                     f"{target.hidden_size}"),
+            (self.vocab_size == target.vocab_size, f"vocab_size: {self.vocab_size} != the target's "
+                                                   f"{target.vocab_size}"),
+            (self.num_target_layers == L, f"num_target_layers: {self.num_target_layers} != the target's layer "
+                                          f"count {L}"),
+            (max(self.target_layer_ids) < L,
+             f"target_layer_ids: {self.target_layer_ids!r} must be layer indices of the target (0 .. {L - 1})"),
         ]
         bad = [msg for ok, msg in problems if not ok]
         if bad:

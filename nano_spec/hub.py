@@ -33,30 +33,62 @@ def missing_files(snapshot: Path) -> list:
 def resolve(model_id: str) -> Path:
     """The snapshot directory of a model id: the local cache first, then a download unless offline."""
     from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+    from huggingface_hub.utils import validate_repo_id
 
+    try:  # the hub's own rules (no "--" or "..", ...), which REPO_ID leaves out
+        validate_repo_id(model_id)
+    except HFValidationError as e:
+        raise ValueError(f"model: {model_id} is not a directory and not a valid Hugging Face model id (org/name): "
+                         f"{_first_line(e)}") from None
     fetch = f"get it with `hf download {model_id}` where the network allows"
     try:
-        snapshot = Path(snapshot_download(model_id, allow_patterns=FILES, local_files_only=True))
-        missing = missing_files(snapshot)
-    except LocalEntryNotFoundError:  # also a snapshot the cache knows to be incomplete
-        snapshot, missing = None, None
-    if missing == []:
-        return snapshot
+        cached = Path(snapshot_download(model_id, allow_patterns=FILES, local_files_only=True))
+        missing = missing_files(cached)
+        if not missing:
+            return cached
+    except LocalEntryNotFoundError as e:  # nothing cached, or a snapshot the cache knows to be incomplete
+        cached = Path(e.snapshot_path) if getattr(e, "snapshot_path", None) else None  # (recent huggingface_hub)
+        missing = missing_files(cached) if cached else None
     if constants.HF_HUB_OFFLINE:
         what = f"lacks {', '.join(missing)}" if missing else "is not in the Hugging Face cache"
         raise ValueError(f"model: {model_id} is not a directory and {what} ({constants.HF_HUB_CACHE}); "
                          f"offline (HF_HUB_OFFLINE=1): {fetch}")
+    if cached is None:
+        where = f"not in the Hugging Face cache ({constants.HF_HUB_CACHE})"
+    else:
+        where = f"is in the Hugging Face cache ({constants.HF_HUB_CACHE}) only in part"
+        where += f" (lacks {', '.join(missing)})" if missing else ""
+    unreachable = f"model: {model_id} is not a directory, {where} and the hub cannot be reached: {fetch}"
     try:
         snapshot = Path(snapshot_download(model_id, allow_patterns=FILES))
     except LocalEntryNotFoundError:  # the hub could not be reached and nothing usable is cached
-        raise ValueError(f"model: {model_id} is not a directory, not in the Hugging Face cache "
-                         f"({constants.HF_HUB_CACHE}) and the hub cannot be reached: {fetch}") from None
+        raise ValueError(unreachable) from None
     except (OSError, ValueError) as e:  # no such repository, gated, a refused request
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"model: {model_id} is not a directory and the hub refused it ({reason})") from None
+        raise ValueError(f"model: {model_id} is not a directory and the hub refused it ({_first_line(e)})") from None
     missing = missing_files(snapshot)
+    # an unreachable hub makes snapshot_download return a partial cached snapshot as it is, without a word
+    if missing and cached is not None and not _hub_answers(model_id):
+        raise ValueError(unreachable)
     if missing:
         raise ValueError(f"model: {model_id} on the hub lacks {', '.join(missing)}; nano_spec needs config.json, "
                          "tokenizer.json and safetensors weights")
     return snapshot
+
+
+def _hub_answers(model_id: str) -> bool:
+    """Whether the hub answers a question about model_id; a refusal is an answer."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError
+
+    try:
+        HfApi().repo_info(model_id)
+    except HfHubHTTPError:
+        return True
+    except Exception:  # a connection error, of whichever HTTP library this huggingface_hub version uses
+        return False
+    return True
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

@@ -38,7 +38,7 @@ def _shards(path: Path) -> list:
     elif index.is_file():
         try:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            files = [path / f for f in sorted(set(weight_map.values()))]
+            files = [_inside(path, index, f) for f in sorted(set(weight_map.values()))]
         except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
             raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
     else:
@@ -46,6 +46,17 @@ def _shards(path: Path) -> list:
         hint = f" (found {', '.join(found)}: pickle-based files are never loaded)" if found else ""
         raise CheckpointError(f"{path}: no model.safetensors or model.safetensors.index.json{hint}")
     return files + ([path / HEAD_FILE] if (path / HEAD_FILE).is_file() else [])
+
+
+def _inside(path: Path, index: Path, name: str) -> Path:
+    """path/name, the shard an index names, refused unless it lies in path: an index from the hub naming an
+    absolute or ../ path would read any file. `..` is folded before the directories are resolved (and the folded
+    path is the one opened), so neither a `..` nor a linked directory leads out; the file itself may be a link, as
+    every file of a Hugging Face cache snapshot is (to its blob)."""
+    shard = Path(os.path.normpath(path / name))
+    if not shard.parent.resolve().is_relative_to(path.resolve()):
+        raise CheckpointError(f"{index}: shard {name!r} lies outside the checkpoint directory {path}")
+    return shard
 
 
 def _use(shard: Path, read):
@@ -129,16 +140,23 @@ def load_tensors(module, path: Path, stored: dict, device, dtype):
     return module.eval()
 
 
+def write_model(model, directory):
+    """Write config.json (model.cfg.to_dict()) + model.safetensors into an existing directory: a HybridLM, or a
+    drafter (nano_spec/dflash.py). For a caller that swaps the directory in itself (scripts/train.py replace_dir)."""
+    directory = Path(directory)
+    (directory / "config.json").write_text(json.dumps(model.cfg.to_dict(), indent=2) + "\n", encoding="utf-8")
+    state = {n: t.detach().contiguous().cpu() for n, t in model.state_dict().items()}
+    save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+
+
 def save_model(model, path, extra_files: dict | None = None):
-    """Write config.json (model.cfg.to_dict()) + model.safetensors (+ extra files, name -> source path)
-    atomically: a HybridLM, or a drafter (nano_spec/dflash.py)."""
+    """write_model (+ extra files, name -> source path) into a new directory beside path, which then replaces
+    path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
-        (tmp / "config.json").write_text(json.dumps(model.cfg.to_dict(), indent=2) + "\n", encoding="utf-8")
-        state = {n: t.detach().contiguous().cpu() for n, t in model.state_dict().items()}
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        write_model(model, tmp)
         for name, src in (extra_files or {}).items():
             shutil.copyfile(src, tmp / name)
         if path.exists():

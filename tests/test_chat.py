@@ -350,6 +350,47 @@ def test_an_id_not_cached_is_downloaded_where_the_network_allows(ckpt, offline_c
     assert calls == [(repo_id, True, files), (repo_id, False, files)]
 
 
+@pytest.mark.parametrize("listing", [False, True], ids=["no-tree-listing", "tree-listing"])
+def test_a_partial_cache_with_the_hub_unreachable_says_both(ckpt, offline_cache, tmp_path, monkeypatch, listing):
+    """Online, a cache holding all but the weights, and no hub: the real huggingface_hub against an endpoint on a
+    closed local port (refused at once, whatever the machine's network). It returns the partial snapshot without a
+    word, or, where it cached the repository's file list (as an interrupted download leaves it: trees/<revision>.json,
+    which versions without one ignore), refuses it as incomplete. Either way the message says the cache holds part of
+    it and the hub cannot be reached, not that the hub lacks the weights."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # the discard port: nothing listens there
+    for proxy in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
+        monkeypatch.delenv(proxy, raising=False)  # a proxy would answer for the closed port
+    partial = tmp_path / "partial"
+    shutil.copytree(ckpt, partial)
+    (partial / "model.safetensors").unlink()
+    snapshot = hub_cache(offline_cache, "granite-test/partial", partial)
+    if listing:  # the format huggingface_hub documents in its _tree_cache module
+        files = {f.name: {"size": f.stat().st_size, "blob_id": "0" * 40} for f in ckpt.iterdir()}
+        (snapshot.parents[1] / "trees").mkdir()
+        (snapshot.parents[1] / "trees" / f"{REVISION}.json").write_text(json.dumps({"format_version": 1,
+                                                                                   "files": files}))
+    with pytest.raises(ValueError) as e:
+        LLM("granite-test/partial", backend="torch", device="cpu")
+    assert str(e.value) == (f"model: granite-test/partial is not a directory, is in the Hugging Face cache "
+                            f"({offline_cache}) only in part (lacks model.safetensors) and the hub cannot be "
+                            "reached: get it with `hf download granite-test/partial` where the network allows")
+
+
+@pytest.mark.parametrize("model, message", [
+    ("a/b..c", "model: a/b..c is not a directory and not a valid Hugging Face model id (org/name): "),
+    ("", "model: empty; expected a checkpoint directory or a Hugging Face model id (org/name)"),
+], ids=["invalid-id", "empty"])
+def test_a_malformed_model_is_one_line_naming_model(offline_cache, model, message):
+    """The working directory (offline_cache's) is a directory, but the empty string does not name it."""
+    with pytest.raises(ValueError) as e:
+        LLM(model, backend="torch", device="cpu")
+    assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
+
+
 # ---- the CLI -------------------------------------------------------------------------------------------------
 def cli(*args, env=None):
     env = {"PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'kernels'}", "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1",
@@ -384,6 +425,8 @@ def test_cli_errors_exit_2_with_one_line(ckpt, offline_cache, tmp_path):
         ("--model", base, "--chat", "--prompt", "Hi"): "error: chat_template: ",
         ("--model", "granite-test/not-cached", "--chat", "--prompt", "Hi"):
             "error: model: granite-test/not-cached is not a directory and is not in the Hugging Face cache",
+        ("--model", "", "--prompt", "Hi"): "error: model: empty; ",
+        ("--model", "a/b..c", "--prompt", "Hi"): "error: model: a/b..c is not a directory and not a valid ",
         ("--model", ckpt, "--system", "Be brief.", "--prompt", "Hi"): "error: --system: only with --chat",
     }
     for args, message in cases.items():

@@ -1,6 +1,7 @@
 """Config validation and strict checkpoint loading: every bad input gives one clear error."""
 import json
 import pickle
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,24 +28,64 @@ def test_roundtrip_all_dtypes(ckpt, tmp_path):
             assert_unchanged(n, a.to(dtype), b)
 
 
-def test_sharded_bf16_checkpoint(ckpt, tmp_path):
-    model, path = ckpt
-    state = {n: t.to(torch.bfloat16).contiguous() for n, t in model.state_dict().items()}
+SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
+
+
+def write_sharded(path, out, index_names=None):
+    """The checkpoint at path as two bf16 shards in out with a model.safetensors.index.json, as transformers
+    writes it; index_names maps a shard to the path the index names instead (written there, relative to out)."""
+    state = {n: t.to(torch.bfloat16).contiguous() for n, t in read_tensors(path).items()}
     names = sorted(state)
-    out = tmp_path / "sharded"
     out.mkdir()
     (out / "config.json").write_text((path / "config.json").read_text())
-    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
-              "model-00002-of-00002.safetensors": names[len(names) // 2 :]}
-    for f, ns in shards.items():
-        save_file({n: state[n] for n in ns}, str(out / f))
-    (out / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {}, "weight_map": {n: f for f, ns in shards.items() for n in ns}}))
+    weight_map = {}
+    for f, ns in zip(SHARDS, (names[: len(names) // 2], names[len(names) // 2 :])):
+        where = (index_names or {}).get(f, f)
+        (out / where).parent.mkdir(parents=True, exist_ok=True)  # an absolute where is itself
+        save_file({n: state[n] for n in ns}, str(out / where))
+        weight_map.update({n: where for n in ns})
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return out
+
+
+def assert_loads_as_bf16(path, out):
     loaded = load_model(out)
     ids = torch.randint(0, 67, (1, 8))
     ref = load_model(path, dtype=torch.bfloat16).float()
     with torch.no_grad():
         assert torch.equal(ref(ids), loaded(ids))
+
+
+def test_sharded_bf16_checkpoint(ckpt, tmp_path):
+    _, path = ckpt
+    assert_loads_as_bf16(path, write_sharded(path, tmp_path / "sharded"))
+
+
+def test_sharded_checkpoint_of_linked_shards_loads(ckpt, tmp_path):
+    """The Hugging Face cache's layout: each shard in the snapshot directory a link to a blob outside it. The
+    index names plain file names, so the links' targets do not count as leaving the directory."""
+    _, path = ckpt
+    out = write_sharded(path, tmp_path / "snapshot")
+    (tmp_path / "blobs").mkdir()
+    for f in SHARDS:
+        (out / f).rename(tmp_path / "blobs" / f)
+        (out / f).symlink_to(Path("..") / "blobs" / f)
+    assert_loads_as_bf16(path, out)
+
+
+@pytest.mark.parametrize("where", ["absolute", "parent"])
+def test_shard_paths_leaving_the_checkpoint_are_refused(ckpt, tmp_path, where):
+    """An index naming a shard outside its directory is refused, though the file is there and readable: an index
+    from the hub could otherwise read any safetensors file on the machine."""
+    _, path = ckpt
+    outside = tmp_path / "elsewhere" / SHARDS[1]
+    name = str(outside) if where == "absolute" else f"../elsewhere/{SHARDS[1]}"
+    out = write_sharded(path, tmp_path / "sharded", {SHARDS[1]: name})
+    assert outside.is_file()
+    with pytest.raises(CheckpointError) as e:
+        load_model(out)
+    assert str(e.value).startswith(f"{out / 'model.safetensors.index.json'}: shard {name!r} ")
+    assert "outside" in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
 def read_tensors(path) -> dict:

@@ -1,6 +1,8 @@
 """The DFlash block drafter (nano_spec/dflash.py): equal to the reference implementation on the same weights,
 stored in its format, and lossless in the engine (greedy == plain decoding, seeded sampling follows the target)."""
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -87,7 +89,7 @@ def test_config_is_the_reference_format(tmp_path):
     for (n, a), (_, b) in zip(d.state_dict().items(), back.state_dict().items()):
         assert torch.equal(a, b), n
     other = tiny_config(hidden_size=32)
-    with pytest.raises(ValueError, match="hidden_size 48 != the target's 32"):
+    with pytest.raises(ValueError, match="hidden_size: 48 != the target's 32"):
         load_drafter(tmp_path / "dflash", other, Ops("torch"), "cpu", torch.float32)
     with pytest.raises(ValueError, match="target_layer_ids"):
         load_drafter(tmp_path / "dflash", tiny_config(layer_types=["mamba"]), Ops("torch"), "cpu", torch.float32)
@@ -226,3 +228,85 @@ def test_settings_that_cannot_work_are_refused(ckpt, tmp_path):
         LLM(ckpt, proposer="dflash", drafter=tmp_path)
     with pytest.raises(ValueError, match="only with proposer='dflash'"):
         LLM(ckpt, proposer="mtp", drafter=ckpt / "dflash")
+
+
+# ---- the drafter's config.json, every field checked at load ------------------------------------------------
+DELETE = object()  # an edit that removes the key
+BAD_DRAFTER_CONFIGS = {  # id: (keys into config.json, the value put there, the field the message names)
+    "layers-10M": (("num_hidden_layers",), 10_000_000, "num_hidden_layers"),
+    "intermediate-negative": (("intermediate_size",), -5, "intermediate_size"),
+    "rope-theta-string": (("rope_theta",), "abc", "rope_theta"),
+    "rope-parameters-theta-string": (("rope_parameters", "rope_theta"), "abc", "rope_theta"),
+    "rope-theta-disagrees": (("rope_theta",), 5000.0, "rope_theta"),
+    "embedding-scale-string": (("dflash_config", "input_embedding_scale"), "x", "input_embedding_scale"),
+    "output-multiplier-nan": (("dflash_config", "output_multiplier"), float("nan"), "output_multiplier"),
+    "output-multiplier-zero": (("dflash_config", "output_multiplier"), 0, "output_multiplier"),
+    "rms-norm-eps-negative": (("rms_norm_eps",), -1e-5, "rms_norm_eps"),
+    "num-target-layers-wrong": (("num_target_layers",), 7, "num_target_layers"),
+    "hidden-size-string": (("hidden_size",), "256", "hidden_size"),
+    "heads-zero": (("num_attention_heads",), 0, "num_attention_heads"),
+    "kv-heads-not-dividing": (("num_key_value_heads",), 3, "num_key_value_heads"),
+    "head-dim-odd": (("head_dim",), 63, "head_dim"),
+    "head-dim-missing": (("head_dim",), DELETE, "head_dim"),
+    "vocab-size-bool": (("vocab_size",), True, "vocab_size"),
+    "max-position-negative": (("max_position_embeddings",), -1, "max_position_embeddings"),
+    "block-size-1": (("dflash_config", "block_size"), 1, "block_size"),
+    "mask-token-out-of-vocab": (("dflash_config", "mask_token_id"), 4096, "mask_token_id"),
+    "taps-repeated": (("dflash_config", "target_layer_ids"), [1, 1], "target_layer_ids"),
+    "taps-not-a-list": (("dflash_config", "target_layer_ids"), 3, "target_layer_ids"),
+    "dflash-config-not-an-object": (("dflash_config",), "x", "dflash_config"),
+    "rope-parameters-not-an-object": (("rope_parameters",), "x", "rope_parameters"),
+}
+
+
+def edited_drafter(tmp_path, keys=(), value=None):
+    """A copy of the shipped drafter whose config.json holds value at keys (no keys: unedited)."""
+    from nano_spec.llm import shipped_weights
+
+    path = Path(shutil.copytree(shipped_weights() / "dflash", tmp_path / "dflash"))
+    cfg = json.loads((path / "config.json").read_text())
+    if keys:
+        *parents, last = keys
+        node = cfg
+        for k in parents:
+            node = node[k]
+        node.pop(last) if value is DELETE else node.__setitem__(last, value)
+    (path / "config.json").write_text(json.dumps(cfg))  # NaN as JSON's NaN, which Python reads back
+    return path
+
+
+def test_an_unedited_copy_of_the_shipped_drafter_loads(tmp_path):
+    """The control of the cases below: copying and rewriting config.json alone changes nothing."""
+    from nano_spec import LLM
+
+    llm = LLM(proposer="dflash", drafter=edited_drafter(tmp_path), max_batch=1, max_seq_len=64)
+    assert llm.proposer.drafter.cfg.num_hidden_layers == 2
+
+
+@pytest.mark.parametrize("keys, value, field", BAD_DRAFTER_CONFIGS.values(), ids=BAD_DRAFTER_CONFIGS.keys())
+def test_bad_drafter_config_names_the_field(tmp_path, monkeypatch, keys, value, field):
+    """Refused at load with one line naming the field, before any drafter module is built: a 10M-layer config
+    cannot hang building its layers (capacity counts the drafter's weights from the sizes)."""
+    from nano_spec import LLM
+
+    def built(*args, **kw):
+        raise AssertionError("a drafter was built from a config that should have been refused")
+
+    monkeypatch.setattr(DFlashDrafter, "__init__", built)
+    with pytest.raises(ValueError) as e:
+        LLM(proposer="dflash", drafter=edited_drafter(tmp_path, keys, value), max_batch=1, max_seq_len=64)
+    message = str(e.value)
+    assert message.startswith(f"drafter: {field}: ") and "\n" not in message, message
+
+
+@pytest.mark.parametrize("layers, kw", [(1, {}), (3, dict(taps=[0, 2], block_size=5))], ids=["1-layer", "3-layers"])
+def test_weight_bytes_counts_the_drafter_without_building_it(monkeypatch, layers, kw):
+    """capacity.weight_bytes adds the drafter's parameters as the built drafter has them, in the dtype's bytes,
+    and builds no drafter to count them."""
+    from nano_spec.capacity import weight_bytes
+
+    target = tiny_config(num_key_value_heads=1)
+    cfg = DFlashConfig.for_target(target, num_layers=layers, **kw)
+    built = sum(p.numel() for p in DFlashDrafter(cfg, Ops("torch")).parameters())
+    monkeypatch.setattr(DFlashDrafter, "__init__", lambda *a, **k: pytest.fail("weight_bytes built the drafter"))
+    assert weight_bytes(target, torch.bfloat16, cfg) - weight_bytes(target, torch.bfloat16) == 2 * built
