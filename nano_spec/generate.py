@@ -226,6 +226,7 @@ def print_stats(st: dict, good: list, elapsed: float):
     rate = f"tokens/s {n_tokens / elapsed:.1f}  " if n_tokens else "tokens/s -  "  # failed requests do not count
     print(f"{rate}tau {st['tau']:.3f}  accept_at {[round(a, 3) for a in st['accept_at']]}  "
           f"verify steps {st['verify_steps']}", file=sys.stderr)
+    print("  threads " + ", ".join(f"{n} ({steps} steps)" for n, steps in st["threads"].items()), file=sys.stderr)
     if st["compile_seconds"]:
         print(f"  compile {st['compile_seconds']:.1f} s (first calls of the compiled graphs)", file=sys.stderr)
     print(f"  max_seq_len {st['max_seq_len']}  weights + caches {st['memory_bytes'] / 2**30:.2f} GiB of a "

@@ -1,8 +1,11 @@
 """The Python API: LLM(...).generate(prompts, params), LLM(...).stream(prompt, params), and their chat forms
 LLM(...).chat(messages, params) and LLM(...).chat_stream(messages, params)."""
 import os
+import threading
 import time
 import weakref
+from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +23,7 @@ from nano_spec.runner import ModelRunner, cache_len
 from nano_spec.sampling import SamplingParams
 from nano_spec.scheduler import Scheduler
 from nano_spec.telemetry import Telemetry
+from nano_spec.threads import ThreadTuner
 from nano_spec.tokenizer import Tokenizer
 from nano_spec.weights import load_model, stored_dtype
 
@@ -78,12 +82,16 @@ class LLM:
         catch_up() (nano_spec/proposers.py). num_drafts: γ for every step, or "auto": γ chosen per step
         (nano_spec/planner.py) up to max_drafts = 4 (a DFlash block's Bk - 1).
         drafter: the DFlash drafter directory for proposer="dflash"; None: <checkpoint>/dflash/.
-        threads: torch's intra-op threads, process-wide; None: the rule of `capacity.default_threads`.
+        threads: torch's intra-op threads, process-wide; None: one thread for a step too small to split
+        (`capacity.default_threads`), else chosen from measured steps between 1 and one per core
+        (nano_spec/threads.py), so a machine whose cores are busy does not stall the engine.
         on_step: called with a StepReport after every engine step.
         compile: run the step's hot calls through torch.compile, one graph per shape bucket, CUDA graphs on a
         GPU (backend 'torch'; nano_spec/compiled.py, docs/DESIGN.md §12)."""
         if model is not None and not isinstance(model, (str, os.PathLike)):
             raise ValueError(f"model: expected a checkpoint directory path or a model id, got {type(model).__name__}")
+        if model is not None and not str(model).strip():  # as a path it is the working directory: nobody means that
+            raise ValueError("model: empty; expected a checkpoint directory or a Hugging Face model id (org/name)")
         path = Path(model) if model is not None else shipped_weights()
         device = _device(device)
         dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
@@ -137,7 +145,10 @@ class LLM:
         self.memory_budget = budget
         self.model = load_model(path, device=device, dtype=dtype, backend=backend)
         block_drafter = load_drafter(drafter, cfg, self.model.ops, device, dtype) if kind == "dflash" else None
-        torch.set_num_threads(threads or capacity.default_threads(self.model, max_batch, device))
+        # threads=None on a CPU: measured per step (nano_spec/threads.py), where a step is big enough to split
+        most = threads or capacity.default_threads(self.model, max_batch, device)
+        self.threads = ThreadTuner(most, tune=threads is None and device.type == "cpu")
+        self.threads.apply()
         self.max_seq_len = max_seq_len
         self.proposer = make_proposer(kind, max_drafts, self.model, max_batch, cache_len(max_seq_len, max_drafts),
                                       block_drafter)
@@ -146,19 +157,60 @@ class LLM:
         # the prior cost of a draft, relative to a plain step: extra verify rows are far from free on a CPU
         self.planner = (DraftPlanner(max_drafts, prior_slope=0.1 if device.type == "cuda" else 0.4)
                         if num_drafts == "auto" and max_drafts else None)
-        self.scheduler = Scheduler(self.runner, self.tokenizer, max_seq_len, self.planner)
+        self.scheduler = Scheduler(self.runner, self.tokenizer, max_seq_len, self.planner, self.threads)
         self.on_step = on_step
+        self._lock, self._owner, self._callers, self._cancelled = threading.Lock(), None, {}, deque()
 
-    def _step(self, focus=None, finished=None):
-        """One engine step; then finished() hands over what it finished, before on_step reports it."""
-        report = self.scheduler.step(focus)
+    # ---- driving the engine from any number of threads --------------------------------------------
+    @contextmanager
+    def _locked(self):
+        """The engine's state (scheduler, caches, telemetry) is touched only under one lock. User callbacks run
+        outside it, so they may call the engine again."""
+        with self._lock:
+            self._owner = threading.get_ident()
+            try:
+                yield
+            finally:
+                self._owner = None
+
+    def _run(self, done, focus: set | None, finished=None):
+        """Step the engine until done(). Every caller waiting meanwhile, in any thread, shares the steps: the
+        batch is the union of their focus (the ids each waits for; None: every running request)."""
+        key = object()
+        with self._locked():
+            self._callers[key] = focus
+        try:
+            while True:
+                with self._locked():
+                    while self._cancelled:
+                        self.scheduler.abort(self._cancelled.popleft())
+                    report = None if done() else self._step_locked()
+                if finished is not None:  # what finished is handed over before on_step reports the step
+                    finished()
+                if report is None:
+                    return
+                if self.on_step is not None:
+                    self.on_step(report)
+        finally:
+            with self._locked():
+                del self._callers[key]
+
+    def _step_locked(self):
+        focuses = list(self._callers.values())
+        report = self.scheduler.step(None if None in focuses else set().union(*focuses))
         if not (report.admitted or report.rows or report.failed):
             raise RuntimeError(f"engine step {report.index} made no progress ({len(self.scheduler.waiting)} waiting, "
                                f"{len(self.scheduler.running)} running, {len(self.scheduler.free_slots)} free slots)")
-        if finished is not None:
-            finished()
-        if self.on_step is not None:
-            self.on_step(report)
+        return report
+
+    def _cancel(self, seq):
+        """Cancel a request from any thread. A finalizer may run while this thread holds the lock (mid-step):
+        then the next step cancels it."""
+        if self._owner == threading.get_ident():
+            self._cancelled.append(seq)
+        else:
+            with self._locked():
+                self.scheduler.abort(seq)
 
     # ---- requests --------------------------------------------------------------------
     def _prepare(self, prompt, params):
@@ -202,30 +254,35 @@ class LLM:
         plist = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"params: {len(plist)} SamplingParams for {len(prompts)} prompts")
-        requests = [self._prepare(p, sp) for p, sp in zip(prompts, plist)]  # all validated before any is queued
-        seqs = [self.scheduler.add(*r) for r in requests]
-        focus, told = {s.id for s in seqs}, set()  # only these run: a stream nobody reads waits
+        with self._locked():
+            requests = [self._prepare(p, sp) for p, sp in zip(prompts, plist)]  # all validated before any is queued
+            seqs = [self.scheduler.add(*r) for r in requests]
+        told = set()  # only these run (and those of callers in other threads): a stream nobody reads waits
 
         def finished():
             for i in (i for i, s in enumerate(seqs) if s.finished and i not in told):
                 told.add(i)
                 if on_finish is not None:
-                    on_finish(i, self._output(prompts[i], seqs[i]))
+                    with self._locked():
+                        out = self._output(prompts[i], seqs[i])
+                    on_finish(i, out)
 
         try:
-            while not all(s.finished for s in seqs):
-                self._step(focus, finished)
+            self._run(lambda: all(s.finished for s in seqs), {s.id for s in seqs}, finished)
         finally:  # an interrupted call leaves nothing of its own running
-            for s in seqs:
-                self.scheduler.abort(s)
-        return [self._output(p, s) for p, s in zip(prompts, seqs)]
+            with self._locked():
+                for s in seqs:
+                    self.scheduler.abort(s)
+        with self._locked():
+            return [self._output(p, s) for p, s in zip(prompts, seqs)]
 
     def stream(self, prompt, params=None) -> "Stream":
         """Iterate over the completion of one prompt as text pieces, as soon as they are final; the
         pieces always add up to the whole text, however and whenever the request finished. The request
         is validated now and queued on the first read; closing the stream, or dropping it, cancels the
         request and frees its slot. `.output` is its Output once done."""
-        return Stream(self, prompt, self._prepare(prompt, params))
+        with self._locked():
+            return Stream(self, prompt, self._prepare(prompt, params))
 
     def chat(self, messages, params=None, on_finish=None) -> list:
         """Reply to one conversation, [{"role": ..., "content": ...}, ...], or to each of a list of them (params:
@@ -249,20 +306,24 @@ class LLM:
     @property
     def stats(self) -> dict:
         """Telemetry since the engine started (metrics of docs/DESIGN.md §7), and the memory settings."""
-        return {**self.telemetry.summary(), **(self.planner.summary() if self.planner else {}),
-                "grammar_compile_seconds": self.grammars.compile_seconds,
-                "grammars_compiled": self.grammars.num_compiled, "compile_seconds": self.runner.compile_seconds(),
-                "max_seq_len": self.max_seq_len, "memory_bytes": self.cache_bytes, "memory_budget": self.memory_budget}
+        with self._locked():
+            return {**self.telemetry.summary(), **(self.planner.summary() if self.planner else {}),
+                    "grammar_compile_seconds": self.grammars.compile_seconds,
+                    "grammars_compiled": self.grammars.num_compiled, "compile_seconds": self.runner.compile_seconds(),
+                    "threads": dict(sorted(self.threads.steps.items())), "max_seq_len": self.max_seq_len,
+                    "memory_bytes": self.cache_bytes,
+                    "memory_budget": self.memory_budget}
 
 
 class Stream:
     """The text pieces of one request (LLM.stream). Reading it steps every running request (they share
-    the batch), so other streams advance too; generate() calls meanwhile run only their own requests."""
+    the batch), so other streams advance too; generate() calls meanwhile run only their own requests,
+    unless other threads are reading streams at the same time."""
 
     def __init__(self, llm: LLM, prompt, request):
         self._state = {"seq": None, "output": None}  # shared with the generator, which must not hold self
         self._pieces = _pieces(llm, prompt, request, self._state)
-        weakref.finalize(self, _cancel, llm.scheduler, self._state)
+        weakref.finalize(self, _cancel, llm, self._state)
 
     @property
     def output(self):
@@ -278,20 +339,21 @@ class Stream:
         self._pieces.close()
 
 
-def _cancel(scheduler, state):
+def _cancel(llm, state):
     if state["seq"] is not None:
-        scheduler.abort(state["seq"])
+        llm._cancel(state["seq"])
 
 
 def _pieces(llm: LLM, prompt, request, state):
     sched = llm.scheduler
-    seq = state["seq"] = sched.add(*request)
+    with llm._locked():
+        seq = state["seq"] = sched.add(*request)
     hold = max((len(s) for s in seq.params.stop), default=1) - 1  # a stop string may be forming
     sent = 0
     try:
         while True:
-            done = seq.finished
-            text = sched.output_text(seq)
+            with llm._locked():
+                done, text, n = seq.finished, sched.output_text(seq), len(seq.tokens)
             end = len(text) if done else len(text) - hold  # while running, text has whole characters only
             if end > sent:
                 yield text[sent:end]  # while suspended, other calls may advance or finish it
@@ -299,7 +361,8 @@ def _pieces(llm: LLM, prompt, request, state):
             elif done:
                 break
             else:
-                llm._step()
-        state["output"] = llm._output(prompt, seq)
+                llm._run(lambda: seq.finished or len(seq.tokens) != n, None)
+        with llm._locked():
+            state["output"] = llm._output(prompt, seq)
     finally:
-        sched.abort(seq)
+        llm._cancel(seq)

@@ -75,8 +75,9 @@ class StepReport:
 
 
 class Scheduler:
-    def __init__(self, runner, tokenizer, max_seq_len: int, planner=None):
+    def __init__(self, runner, tokenizer, max_seq_len: int, planner=None, threads=None):
         self.runner, self.tok, self.tel, self.planner = runner, tokenizer, runner.tel, planner
+        self.threads = threads  # a ThreadTuner: the CPU threads of each step
         self.max_seq_len = max_seq_len
         self.free_slots = list(range(runner.cache.num_slots))
         self.waiting = deque()
@@ -108,9 +109,11 @@ class Scheduler:
         report = StepReport(self.steps)
         self.steps += 1
         self.tel.begin_step()
+        if self.threads is not None:
+            self.threads.apply()
         batch = self._schedule(report, focus)                                  # schedule
         if batch:
-            gamma = self.planner.choose(len(batch)) if self.planner else self.runner.max_drafts
+            gamma = self._gamma(batch)
             t0, spent, compiled = self.tel.clock(), self.tel.proposer_seconds(), self.runner.compile_seconds()
             results = self._call(batch, "step", self.runner.step, batch, gamma)  # run
             if results is None:
@@ -135,11 +138,22 @@ class Scheduler:
             self._admit(seq, report)
         return [s for s in self.running if wanted(s)] or ([] if report.admitted else list(self.running))
 
+    def _gamma(self, batch: list) -> int:
+        """γ of the step: the planner's choice, but γ_max when a seeded sampled request is in the batch. Its
+        random draws follow γ, and the planner's γ follows measured times: a fixed γ keeps its seed's promise."""
+        if self.planner is None or any(s.params.seed is not None and not s.params.greedy for s in batch):
+            return self.runner.max_drafts
+        return self.planner.choose(len(batch))
+
     def _observe(self, B: int, gamma: int, t0: float, spent: float, results: list):
-        """The planner learns the step's time (and the proposer's share) and its accept counts."""
+        """The planner learns the step's time (and the proposer's share) and its accept counts; the thread
+        tuner, its time."""
+        seconds = self.tel.clock() - t0
         if self.planner:
-            self.planner.observe_step(B, gamma, self.tel.clock() - t0, self.tel.proposer_seconds() - spent,
+            self.planner.observe_step(B, gamma, seconds, self.tel.proposer_seconds() - spent,
                                       [(r.na, len(r.drafts)) for r in results if r.error is None])
+        if self.threads is not None:
+            self.threads.observe((B, gamma), seconds)
 
     def _admit(self, seq: Sequence, report: StepReport):
         seq.slot = self.free_slots.pop(0)

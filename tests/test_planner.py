@@ -171,3 +171,15 @@ def test_drafts_after_plain_steps_are_those_of_a_fixed_gamma(ckpt):
     assert len(shared) >= 10
     for k in shared:
         assert auto[k] == fixed[k][: len(auto[k])], k
+
+
+def test_a_seeded_sampled_request_is_reproducible_under_auto(ckpt):
+    """Its draws follow γ, and auto's γ follows measured times: a step that carries a seeded sampled request
+    runs at γ_max, so the request gives what a fixed γ_max gives, whatever the planner would pick."""
+    seeded = SamplingParams(max_new_tokens=20, ignore_eos=True, temperature=0.9, seed=3)
+    _, fixed = generate(ckpt, 4, "mtp", params=seeded)
+    llm, auto = generate(ckpt, "auto", "mtp", script=(0, 2, 1, 4, 3), params=seeded)
+    assert auto == fixed and set(llm.stats["gamma_hist"]) == {4}
+    greedy = SamplingParams(max_new_tokens=20, ignore_eos=True, seed=3)  # a seed changes nothing greedy
+    llm, _ = generate(ckpt, "auto", "mtp", script=(0, 2), params=greedy)
+    assert set(llm.stats["gamma_hist"]) == {0, 2}

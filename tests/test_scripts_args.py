@@ -334,31 +334,49 @@ def test_json_output_equals_the_api(ckpt, tmp_path):
         [(p, o.token_ids, o.origins, o.finish_reason, o.text) for p, o in zip(prompts, want)]
 
 
+GENERATE_THAT_WAITS_FOR_CTRL_C = """
+import signal, sys
+from nano_spec import generate
+
+tracer = generate.tracer
+
+def waiting_tracer(tok):  # after the step that finished request 0, wait for the parent's SIGINT
+    trace = tracer(tok)
+    def on_step(report):
+        trace(report)
+        if any(r.seq_id == 0 and r.finish_reason for r in report.rows):
+            sys.stderr.flush()
+            signal.pause()  # a SIGINT that came first has raised already, on the way here
+    return on_step
+
+generate.tracer = waiting_tracer
+sys.exit(generate.main(sys.argv[1:]))
+"""
+
+
 def test_ctrl_c_prints_the_requests_that_finished(ckpt, tmp_path):
-    """Two requests: the first fills max_seq_len within a few tokens, the second would run for seconds. Ctrl-C
-    once the first has finished: its JSON line is printed, the other is not, exit status 130, no traceback."""
+    """Two requests: the first fills max_seq_len within a few tokens, the second would run for hundreds of steps.
+    The child stops after the step that finished the first, so Ctrl-C always lands while the second runs: the
+    first's JSON line is printed, the other is not, exit status 130, no traceback."""
+    import signal
+
     from tokenizers import Tokenizer
 
-    limit = 4000
+    limit = 400
     line_tokens = len(Tokenizer.from_file(str(ckpt / "tokenizer.json")).encode("x = 1\n" * 100).ids) // 100
     long_prompt = "x = 1\n" * ((limit - 10) // line_tokens)
     path = tmp_path / "p.jsonl"
     path.write_text(json.dumps({"prompt": long_prompt}) + "\n" + json.dumps({"prompt": "def f(x):"}) + "\n")
-    import signal
-    import time
-
-    proc = subprocess.Popen([sys.executable, "-m", "nano_spec.generate", "--model", str(ckpt), "--prompts-file",
-                             str(path), "--max-seq-len", str(limit), "--max-new-tokens", str(limit),
+    proc = subprocess.Popen([sys.executable, "-c", GENERATE_THAT_WAITS_FOR_CTRL_C, "--model", str(ckpt),
+                             "--prompts-file", str(path), "--max-seq-len", str(limit), "--max-new-tokens", str(limit),
                              "--regex", "[a-z]{5000}", "--json", "--trace", "--threads", "1"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=ENV)
-    deadline, seen = time.monotonic() + 240, []
-    while time.monotonic() < deadline:
+    seen = []
+    while not seen or not (seen[-1].startswith("step ") and " seq 0 " in seen[-1] and "finished: length" in seen[-1]):
         seen.append(proc.stderr.readline())
-        if seen[-1].startswith("step ") and " seq 0 " in seen[-1] and "finished: length" in seen[-1]:
-            break
         assert seen[-1], "".join(seen[-20:])  # the process ended before the first request finished
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=120)
+    out, err = proc.communicate(timeout=300)
     assert proc.returncode == 130, err[-2000:]
     rows = [json.loads(line) for line in out.splitlines()]
     assert [(r["prompt"], r["finish_reason"]) for r in rows] == [(long_prompt, "length")]

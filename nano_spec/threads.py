@@ -1,0 +1,85 @@
+"""How many CPU threads a step runs on, chosen from measured steps.
+
+Two OpenMP threads on a machine whose other cores are busy can run a step 10-40x slower than one thread:
+every op ends in a barrier that waits for a peer the OS has descheduled. How busy the machine is cannot be
+known from the work's size, and it changes while the engine runs. So the engine measures:
+
+    segment   SEG steps on the current choice, each step's time kept per shape (B, γ), a mean that forgets fast
+    probe     after `every` segments, steps on the other choice; each is compared with the current choice's
+              mean at the same shape. One step slower by MARGIN ends the probe; a probe whose steps are faster
+              by MARGIN switches
+    backoff   each lost probe multiplies `every` by BACKOFF (at most MAX_EVERY), so on a loaded machine the
+              slow probes cost a few percent; a switch resets it
+    stall     a step STALL x slower than its shape's mean (the load came) scales every shape's mean by as
+              much and probes at once
+
+It starts on one thread, the choice that cannot collapse. Plain host arithmetic; the caller applies the count.
+"""
+from collections import Counter
+
+import torch
+
+SEG = 8
+FIRST_EVERY = 2  # segments before the first probe: a short run on a loaded machine pays for one slow step at most
+MARGIN = 1.1
+BACKOFF = 4
+MAX_EVERY = 64
+STALL = 3.0
+KEEP = 0.5  # weight of the old mean at each new step: a load that comes shows within two steps
+
+
+class ThreadTuner:
+    def __init__(self, most: int, tune: bool = True):
+        """Chooses between 1 and `most` threads (one per core); tune=False: always `most`."""
+        self.current, self.other = (1, most) if tune and most > 1 else (most, most)
+        self.probing = False
+        self.mean = {}                  # (shape, threads) -> seconds of a step, a fast-forgetting mean
+        self.every, self.segments, self.n = FIRST_EVERY, 0, 0
+        self.ratios = []                # during a probe: step time / the current choice's mean at its shape
+        self.steps = Counter()          # threads -> steps run on them
+
+    def threads(self) -> int:
+        """The thread count for the next step."""
+        return self.other if self.probing else self.current
+
+    def apply(self):
+        """Set torch's intra-op threads (process-wide) to threads(), when they differ."""
+        if torch.get_num_threads() != self.threads():
+            torch.set_num_threads(self.threads())
+
+    def observe(self, shape, seconds: float):
+        """One step's time, run on threads() threads, at shape (B, γ)."""
+        t = self.threads()
+        self.steps[t] += 1
+        if self.other == self.current:
+            return
+        base = self.mean.get((shape, self.current))
+        old = self.mean.get((shape, t))
+        self.mean[(shape, t)] = seconds if old is None else KEEP * old + (1 - KEEP) * seconds
+        self.n += 1
+        if self.probing:
+            if base is not None:
+                self.ratios.append(seconds / base)
+            if (self.ratios and self.ratios[-1] > MARGIN) or self.n >= SEG:
+                self._end_probe()
+        elif base is not None and seconds > STALL * base:  # a load slows every shape: rescale them all
+            for key in [k for k in self.mean if k[1] == t and k[0] != shape]:
+                self.mean[key] *= seconds / base
+            self.every = 1
+            self._start_probe()
+        elif self.n >= SEG:
+            self.n, self.segments = 0, self.segments + 1
+            if self.segments >= self.every:
+                self._start_probe()
+
+    def _start_probe(self):
+        self.probing, self.n, self.segments, self.ratios = True, 0, 0, []
+
+    def _end_probe(self):
+        ratios = sorted(self.ratios)
+        if ratios and ratios[-1] <= MARGIN and ratios[len(ratios) // 2] * MARGIN < 1:  # the other choice won
+            self.current, self.other, self.every = self.other, self.current, 1
+        else:
+            self.every = min(self.every * BACKOFF, MAX_EVERY)
+        self.probing, self.n, self.segments, self.ratios = False, 0, 0, []
+
