@@ -130,3 +130,61 @@ def test_vs_llama_cpp_for_real(capsys):
     assert rc == 0, err[-2000:]
     rows = {r["config"]: r for r in json.loads(out.strip().splitlines()[-1])["rows"]}
     assert rows["llama.cpp"]["tokens"] == 12 and rows["llama.cpp"]["decode_tokens_per_s"] > 0
+
+
+@pytest.fixture
+def untimed(monkeypatch):
+    """The bench's timing fails the test if a run gets that far: each refusal below must come first."""
+    from nano_spec import bench
+
+    def measure(engines, ids, args):
+        pytest.fail(f"timed {[e.name for e in engines]} before the refusal")
+
+    monkeypatch.setattr(bench, "measure", measure)
+
+
+def test_vs_llama_cpp_without_batch_1_is_a_usage_error(ckpt, tmp_path, monkeypatch, untimed, capsys):
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    monkeypatch.setitem(sys.modules, "llama_cpp", fake_llama_cpp({}, []))
+    rc = bench(ckpt, "--vs-llama-cpp", gguf, "--batch", 2, 8)  # the last --batch wins over TINY's
+    err = capsys.readouterr().err
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("error: --vs-llama-cpp") and "--batch" in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("content", [b"", b"GGU", b"gguf\x03\x00\x00\x00", b"\x00GGUF", b"PK\x03\x04 a zip"],
+                         ids=["empty", "short", "lower-case", "magic-not-at-0", "zip"])
+def test_vs_llama_cpp_refuses_a_file_without_the_gguf_magic_before_timing(ckpt, tmp_path, monkeypatch, untimed,
+                                                                          capsys, content):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(content)
+    monkeypatch.setitem(sys.modules, "llama_cpp", fake_llama_cpp({}, []))
+    rc = bench(ckpt, "--vs-llama-cpp", bad, "--batch", 2, 1)  # batch 2 would be timed first
+    err = capsys.readouterr().err
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("error: --vs-llama-cpp") and "bad.gguf" in err and "GGUF" in err, err
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads a file whatever its mode")
+def test_vs_llama_cpp_refuses_an_unreadable_file_before_timing(ckpt, tmp_path, monkeypatch, untimed, capsys):
+    gguf = tmp_path / "locked.gguf"
+    gguf.write_bytes(b"GGUF")
+    gguf.chmod(0)
+    monkeypatch.setitem(sys.modules, "llama_cpp", fake_llama_cpp({}, []))
+    rc = bench(ckpt, "--vs-llama-cpp", gguf, "--batch", 2, 1)
+    err = capsys.readouterr().err
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("error: --vs-llama-cpp") and "locked.gguf" in err, err
+
+
+@pytest.mark.parametrize("fp32", [True, False], ids=["fp32", "bf16"])
+def test_each_row_is_checked_against_plain_decoding_in_its_own_mode(fp32):
+    """Compiled rows against compiled plain (lossless within the mode); compiled plain against eager plain only
+    in fp32, where the graph's fused reductions cannot move a bf16 rounding; everything else against eager."""
+    from nano_spec.bench import identity_base
+
+    want = {"plain": "plain", "mtp γ=3": "plain", "llama.cpp": "plain", "transformers": "plain",
+            "mtp γ=3 +schema": "plain +schema", "mtp γ=auto +compiled": "plain +compiled",
+            "ngram γ=3 +compiled": "plain +compiled", "plain +compiled": "plain" if fp32 else None}
+    assert {c: identity_base(c, fp32) for c in want} == want

@@ -45,6 +45,27 @@ def test_compiled_tokens_equal_eager(ckpt, proposer, gamma):
         assert all(b.seen for b in compiled.proposer.compiled.values()) and eager.proposer.compiled is None
 
 
+def test_bf16_compiled_plain_equals_bf16_eager(ckpt):
+    """Inductor keeps a fused chain of bf16 ops in fp32 unless told to round after each op as eager does
+    (emulate_precision_casts): without it every one of these prompts parts from eager within 40 tokens."""
+    kw = dict(proposer="none", num_drafts=0, max_batch=3, backend="torch", device="cpu", max_seq_len=96,
+              dtype="bfloat16")
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    assert tokens(LLM(ckpt, compile=True, **kw), PROMPTS, params) == tokens(LLM(ckpt, **kw), PROMPTS, params)
+
+
+def test_dynamo_settings_of_the_process_are_left_as_they_were(ckpt):
+    """The recompile limit and its fail switch hold inside the compiled calls only."""
+    config = torch._dynamo.config
+    before = (config.recompile_limit, config.fail_on_recompile_limit_hit)
+    llm = LLM(ckpt, compile=True, proposer="mtp", num_drafts=3, max_batch=3, backend="torch", device="cpu",
+              max_seq_len=96)
+    seen = []
+    llm.on_step = lambda report: seen.append((config.recompile_limit, config.fail_on_recompile_limit_hit))
+    tokens(llm, PROMPTS[:2], GREEDY)
+    assert set(seen) == {before} and (config.recompile_limit, config.fail_on_recompile_limit_hit) == before
+
+
 def test_buckets():
     assert [bucket(b, 1, 6) for b in range(1, 7)] == [1, 2, 4, 4, 6, 6]
     assert [bucket(n, 128, 300) for n in (1, 128, 129, 257)] == [128, 128, 256, 300]
