@@ -1,7 +1,7 @@
 """The argument parser and value types of the training scripts (train.py, train_mtp.py, train_dflash.py).
 
 A bad value is refused while the arguments are parsed, before anything is loaded or trained: one line on
-stderr that names the flag (`error: argument --lr: must be a finite number > 0, got 'nan'`), exit status 2.
+stderr that names the flag (`error: argument --clip: must be a finite number > 0, got 'nan'`), exit status 2.
 """
 import argparse
 import math
@@ -33,6 +33,11 @@ def number(lo: float = -math.inf, hi: float = math.inf, above: bool = False):
             raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
         return v
     return parse
+
+
+# --lr: far above any rate that learns, and below ~3.4e37, where AdamW's first step size lr / (1 - beta1) overflows
+# fp32 and raises (a traceback); a huge --lr under the bound diverges and fails in one line (exit 1).
+learning_rate = number(0, 1e30, above=True)
 
 
 def integer(lo: int = 0, hi: int = 2**63 - 1):

@@ -13,8 +13,11 @@ Steps:
         o_p = MTP(h_p, x_{p+1}),  h_p the base model's final-normed hidden.
     AdamW, linear warmup + cosine decay, gradient clipping; Mamba layers use the chunked SSD scan
     (nano_spec/ssd.py) because the reference scan is a Python loop over T.
- 4. a checkpoint through save_model: config.json, model.safetensors, tokenizer.json, train_log.json,
-    eval_prompts.jsonl (held-out source chunks cut at line boundaries, for the benchmarks).
+ 4. a checkpoint: config.json, model.safetensors (nano_spec.weights.write_model), tokenizer.json, train_log.json,
+    eval_prompts.jsonl (held-out source chunks cut at line boundaries, for the benchmarks), swapped in whole
+    (replace_dir) at every evaluation and at the end: an interrupted save leaves the old output or the new one.
+    A NaN or infinite loss or weight stops the run with exit 1 and one line; nothing more is written. An --out
+    that is a symbolic link, or an existing path train.py did not write, is refused before anything runs.
 
 With --steps 0 (the default) training runs until --max-minutes (less a reserve for the final eval and
 save) and the cosine decay follows the wall time, so the run ends on schedule however loaded the machine is.
@@ -31,6 +34,7 @@ import sys
 import sysconfig
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -41,15 +45,17 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "kernels")]  # nano_spec, nano_spec_kernels: runnable without installing
 sys.path.insert(0, str(ROOT / "scripts"))  # arg_types, also when this file is imported
 
-from arg_types import Parser, device, integer, number, threads  # noqa: E402
+from arg_types import Parser, device, integer, learning_rate, number, threads  # noqa: E402
 
 from nano_spec import ssd  # noqa: E402
+from nano_spec import threads as engine_threads  # noqa: E402  (the name threads is arg_types')
 from nano_spec.config import ModelConfig  # noqa: E402
 from nano_spec.model import HybridLM  # noqa: E402
 from nano_spec.ops import Ops  # noqa: E402
-from nano_spec.weights import save_model  # noqa: E402
+from nano_spec.weights import write_model  # noqa: E402
 
 EOS = "<|endoftext|>"
+LOG_FILE = "train_log.json"
 HELD_OUT = ("json", "csv", "textwrap", "heapq", "bisect", "fractions", "statistics", "string", "shlex", "difflib")
 SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__"}
 GENERATED_MARK = "### Decoding Table"  # gencodec.py output: 256-entry tables, not code worth tokens
@@ -164,56 +170,10 @@ def lr_at(step: int, progress: float, args) -> float:
     return args.lr * (args.min_lr_frac + (1 - args.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
-class ThreadTuner:
-    """Picks the intra-op thread count segment by segment.
-
-    When other processes share the cores, two OpenMP threads can run 10-20x slower than one: every op
-    ends in a barrier that waits for a descheduled peer. So segments of `seg` steps are timed and now and
-    then one probes the other choice; a segment clearly slower than the other choice's last timing ends
-    after one step, and the probe interval doubles each time the probe loses, so probing costs little.
-    """
-
-    def __init__(self, choices, seg: int = 5, probe_every: int = 4, max_probe_every: int = 32):
-        self.choices, self.seg = list(choices), seg
-        self.probe_every, self.min_probe, self.max_probe = probe_every, probe_every, max_probe_every
-        self.sec = {}  # threads -> latest seconds per step
-        self.since_probe, self.probing = 0, False
-        self.n, self.t, self.current = 0, 0.0, None
-
-    def best(self):
-        return min(self.sec, key=self.sec.get)
-
-    def start_segment(self):
-        self.probing = False
-        if len(self.choices) == 1:
-            want = self.choices[0]
-        elif len(self.sec) < len(self.choices):
-            want = self.choices[len(self.sec)]  # time every choice once first
-        elif self.since_probe >= self.probe_every:
-            want, self.probing, self.since_probe = [c for c in self.choices if c != self.best()][0], True, 0
-        else:
-            want = self.best()
-            self.since_probe += 1
-        if want != self.current:
-            torch.set_num_threads(want)
-            self.current = want
-        self.n, self.t = 0, 0.0
-
-    def record(self, seconds: float):
-        """One training step's time (evals and saves excluded)."""
-        if self.current is None:
-            self.start_segment()
-        self.n += 1
-        self.t += seconds
-        others = [v for c, v in self.sec.items() if c != self.current]
-        lost = bool(others) and self.t / self.n > 1.2 * min(others)  # end early: switch or stop probing
-        if self.n == self.seg or lost:
-            was_best = self.best() if len(self.sec) == len(self.choices) else None
-            self.sec[self.current] = self.t / self.n
-            if self.probing:  # back off while the probe keeps losing, probe often after a switch
-                won = self.best() != was_best
-                self.probe_every = self.min_probe if won else min(2 * self.probe_every, self.max_probe)
-            self.start_segment()
+def thread_tuner(choice) -> engine_threads.ThreadTuner:
+    """The engine's tuner (nano_spec/threads.py) for --threads: auto measures 1 and 2 threads step by step, N always
+    runs N. A run calls apply() before each step and observe(shape, seconds) after each timed one."""
+    return engine_threads.ThreadTuner(2 if choice == "auto" else choice, tune=choice == "auto")
 
 
 # ---- 4. benchmark prompts ----------------------------------------------------------------------
@@ -307,6 +267,33 @@ def replace_dir(out: Path, fill):
         shutil.rmtree(aside)
 
 
+def check_out(flag: str, path: Path, log_file: str, script: str):
+    """Refuse an output the save cannot replace safely: a symbolic link (replace_dir renames directories: it would
+    replace the link, not its target), or an existing path that `script` did not write (a file, or a directory
+    holding something but no log_file): the save deletes what was there."""
+    if path.is_symlink():
+        raise ValueError(f"{flag}: {path} is a symbolic link; name the directory itself ({path.resolve()})")
+    if path.exists() and (not path.is_dir() or (any(path.iterdir()) and not (path / log_file).is_file())):
+        raise ValueError(f"{flag}: {path} exists and is not an output of {script}; choose a new directory")
+
+
+def write_checkpoint(model, out: Path, log: dict, tok: Tokenizer, prompts=None):
+    """out <- config.json + model.safetensors + tokenizer.json + LOG_FILE (+ eval_prompts.jsonl), swapped in
+    atomically (replace_dir); a model with a NaN or an infinity is refused (Diverged), out left as it is."""
+    # Under ~9M params fp32 keeps the directory below 40 MB; bigger models are stored as bf16.
+    if sum(p.numel() for p in model.parameters()) >= 9e6:
+        model = copy.deepcopy(model).to(torch.bfloat16)
+    require_finite(log["steps"], model.state_dict())  # as stored
+
+    def fill(tmp: Path):
+        write_model(model, tmp)
+        tok.save(str(tmp / "tokenizer.json"))
+        (tmp / LOG_FILE).write_text(json.dumps(log, indent=1) + "\n", encoding="utf-8")
+        if prompts is not None:
+            (tmp / "eval_prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts), encoding="utf-8")
+    replace_dir(out, fill)
+
+
 # ---- the run -----------------------------------------------------------------------------------
 def layer_letters(text: str) -> str:
     if not text or set(text) - set("ma"):
@@ -339,7 +326,7 @@ def parse_args(argv=None):
     ap.add_argument("--chunk", type=size, default=64, help="SSD chunk length")
     ap.add_argument("--seq-len", type=integer(2), default=512)
     ap.add_argument("--batch", type=size, default=8)
-    ap.add_argument("--lr", type=positive, default=1.5e-3)
+    ap.add_argument("--lr", type=learning_rate, default=1.5e-3)
     ap.add_argument("--min-lr-frac", type=number(0, 1), default=0.1)
     ap.add_argument("--warmup", type=count, default=40)
     ap.add_argument("--weight-decay", type=number(0), default=0.1)
@@ -357,12 +344,28 @@ def parse_args(argv=None):
     return args
 
 
-def main(argv=None):
-    args = parse_args(argv)
+def main(argv=None) -> int:
+    try:
+        args = parse_args(argv)
+        check_out("--out", Path(args.out), LOG_FILE, "train.py")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        run(args)
+    except Diverged as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def run(args):
+    """Train the model of args and write --out (at every evaluation, and at the end)."""
     t0 = time.time()
     deadline = t0 + 60 * args.max_minutes
-    threads = ThreadTuner((2, 1) if args.threads == "auto" else (int(args.threads),))
-    threads.start_segment()
+    tuner = thread_tuner(args.threads)  # every step has one shape (Bsz, T)
+    tuner.apply()
+    step_seconds = Counter()  # thread count -> seconds of the timed steps run on it
     torch.manual_seed(args.seed)
     device = torch.device(args.device)
     amp_on = args.amp == "bf16"
@@ -405,95 +408,90 @@ def main(argv=None):
     history, evals, step, tokens, stopped_early = [], [], 0, 0, False
     ema, t_decay = None, None
     t_train = time.time()
-    with tempfile.TemporaryDirectory() as tmp:
-        tok_path = Path(tmp) / "tokenizer.json"
-        tok.save(str(tok_path))
 
-        def checkpoint(final: bool):
-            log_d = {
-                "finished": final, "command": " ".join([Path(sys.executable).name] + sys.argv),
-                "args": vars(args), "config": cfg.to_dict(), "params": n_params,
-                "corpus": {"stdlib": sysconfig.get_paths()["stdlib"], "python": sys.version.split()[0],
-                           "train_files": len(train_docs), "train_tokens": train_stream.numel(),
-                           "held_out_modules": list(HELD_OUT), "held_out_files": len(held_docs),
-                           "held_out_tokens": held_stream.numel(), "eval_windows": len(held_w)},
-                "steps": step, "schedule": "steps" if args.steps else "time", "stopped_early": stopped_early,
-                "epochs": epoch,
-                "tokens_seen": tokens, "wall_seconds": round(time.time() - t0, 1),
-                "train_seconds": round(time.time() - t_train, 1),
-                "tokens_per_second": round(tokens / max(1e-9, time.time() - t_train), 1),
-                "seconds_per_step_by_threads": threads.sec,
-                "train_loss": history[-1]["loss_ema"] if history else None,
-                "train_mtp_loss": history[-1]["mtp_ema"] if history else None,
-                "held_out": evals[-1] if evals else None, "evals": evals, "history": history,
-            }
-            (Path(tmp) / "train_log.json").write_text(json.dumps(log_d, indent=1) + "\n")
-            extra = {"tokenizer.json": tok_path, "train_log.json": Path(tmp) / "train_log.json"}
-            if final:
-                prompts = eval_prompts(tok, held_docs, args.prompts, args.seed)
-                (Path(tmp) / "eval_prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
-                extra["eval_prompts.jsonl"] = Path(tmp) / "eval_prompts.jsonl"
-            # Under ~9M params fp32 keeps the directory below 40 MB; bigger models are stored as bf16.
-            save_model(model if n_params < 9e6 else copy.deepcopy(model).to(torch.bfloat16), args.out,
-                       extra_files=extra)
-            return log_d
+    def checkpoint(final: bool):
+        log_d = {
+            "finished": final, "command": " ".join([Path(sys.executable).name] + sys.argv),
+            "args": vars(args), "config": cfg.to_dict(), "params": n_params,
+            "corpus": {"stdlib": sysconfig.get_paths()["stdlib"], "python": sys.version.split()[0],
+                       "train_files": len(train_docs), "train_tokens": train_stream.numel(),
+                       "held_out_modules": list(HELD_OUT), "held_out_files": len(held_docs),
+                       "held_out_tokens": held_stream.numel(), "eval_windows": len(held_w)},
+            "steps": step, "schedule": "steps" if args.steps else "time", "stopped_early": stopped_early,
+            "epochs": epoch,
+            "tokens_seen": tokens, "wall_seconds": round(time.time() - t0, 1),
+            "train_seconds": round(time.time() - t_train, 1),
+            "tokens_per_second": round(tokens / max(1e-9, time.time() - t_train), 1),
+            "seconds_per_step_by_threads": {n: s / tuner.steps[n] for n, s in step_seconds.items()},
+            "steps_by_threads": dict(tuner.steps),
+            "train_loss": history[-1]["loss_ema"] if history else None,
+            "train_mtp_loss": history[-1]["mtp_ema"] if history else None,
+            "held_out": evals[-1] if evals else None, "evals": evals, "history": history,
+        }
+        prompts = eval_prompts(tok, held_docs, args.prompts, args.seed) if final else None
+        write_checkpoint(model, Path(args.out), log_d, tok, prompts)
+        return log_d
 
-        while True:
-            if step >= args.warmup and t_decay is None:
-                t_decay = time.time()
-            if args.steps:
-                progress = (step - args.warmup) / max(1, args.steps - args.warmup)
-                done = step >= args.steps
-            else:
-                progress = (time.time() - t_decay) / max(1e-9, stop_at - t_decay) if t_decay else 0.0
-                done = time.time() >= stop_at
-            if done:
-                break
-            if cursor + Bsz > len(perm):
-                perm, cursor, epoch = torch.randperm(len(train_w), generator=order), 0, epoch + 1
-            t_step = time.time()
-            batch = train_w[perm[cursor:cursor + Bsz]].to(device)  # (B, T+1)
-            cursor += Bsz
-            lr = lr_at(step, progress, args)
-            for g in opt.param_groups:
-                g["lr"] = lr
-            with amp():
-                ce, mtp, _ = losses(model, batch)
-            loss = ce + args.mtp_weight * mtp
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip).item()
-            opt.step()
-            step += 1
-            tokens += Bsz * T
-            ce_v, mtp_v = ce.item(), mtp.item()
-            if step > 1:  # the first step pays one-off allocation costs
-                threads.record(time.time() - t_step)
-            ema = (ce_v, mtp_v) if ema is None else (0.95 * ema[0] + 0.05 * ce_v, 0.95 * ema[1] + 0.05 * mtp_v)
-            if step % args.log_every == 0 or step == args.steps:
-                el = time.time() - t_train
-                history.append({"step": step, "loss": round(ce_v, 4), "mtp_loss": round(mtp_v, 4),
-                                "loss_ema": round(ema[0], 4), "mtp_ema": round(ema[1], 4), "lr": lr,
-                                "grad_norm": round(gnorm, 3), "tokens": tokens, "elapsed": round(el, 1)})
-                log(f"step {step}{'/' + str(args.steps) if args.steps else ''} ({progress:.0%})  loss {ce_v:.3f} "
-                    f"(ema {ema[0]:.3f})  mtp {mtp_v:.3f} (ema {ema[1]:.3f})  lr {lr:.2e}  gnorm {gnorm:.2f}  "
-                    f"{tokens / el:.0f} tok/s  epoch {epoch}  threads {threads.current}")
-            if args.steps and time.time() >= stop_at:
-                stopped_early = True
-                log(f"time budget reached at step {step} of {args.steps}")
-                break
-            if step % args.eval_every == 0 and step != args.steps:
-                evals.append({"step": step, **evaluate(model, held_w, Bsz, amp)})
-                log(f"held-out: {evals[-1]}")
-                checkpoint(final=False)
+    while True:
+        if step >= args.warmup and t_decay is None:
+            t_decay = time.time()
+        if args.steps:
+            progress = (step - args.warmup) / max(1, args.steps - args.warmup)
+            done = step >= args.steps
+        else:
+            progress = (time.time() - t_decay) / max(1e-9, stop_at - t_decay) if t_decay else 0.0
+            done = time.time() >= stop_at
+        if done:
+            break
+        if cursor + Bsz > len(perm):
+            perm, cursor, epoch = torch.randperm(len(train_w), generator=order), 0, epoch + 1
+        tuner.apply()
+        ran_on, t_step = tuner.threads(), time.time()
+        batch = train_w[perm[cursor:cursor + Bsz]].to(device)  # (B, T+1)
+        cursor += Bsz
+        lr = lr_at(step, progress, args)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        with amp():
+            ce, mtp, _ = losses(model, batch)
+        loss = ce + args.mtp_weight * mtp
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip).item()
+        require_finite(step + 1, {"loss": loss.detach()})  # no extra wait: .item() above synchronised
+        opt.step()
+        step += 1
+        tokens += Bsz * T
+        ce_v, mtp_v = ce.item(), mtp.item()
+        if step > 1:  # the first step pays one-off allocation costs
+            dt = time.time() - t_step
+            tuner.observe((Bsz, T), dt)
+            step_seconds[ran_on] += dt
+        ema = (ce_v, mtp_v) if ema is None else (0.95 * ema[0] + 0.05 * ce_v, 0.95 * ema[1] + 0.05 * mtp_v)
+        if step % args.log_every == 0 or step == args.steps:
+            el = time.time() - t_train
+            history.append({"step": step, "loss": round(ce_v, 4), "mtp_loss": round(mtp_v, 4),
+                            "loss_ema": round(ema[0], 4), "mtp_ema": round(ema[1], 4), "lr": lr,
+                            "grad_norm": round(gnorm, 3), "tokens": tokens, "elapsed": round(el, 1)})
+            log(f"step {step}{'/' + str(args.steps) if args.steps else ''} ({progress:.0%})  loss {ce_v:.3f} "
+                f"(ema {ema[0]:.3f})  mtp {mtp_v:.3f} (ema {ema[1]:.3f})  lr {lr:.2e}  gnorm {gnorm:.2f}  "
+                f"{tokens / el:.0f} tok/s  epoch {epoch}  threads {ran_on}")
+        if args.steps and time.time() >= stop_at:
+            stopped_early = True
+            log(f"time budget reached at step {step} of {args.steps}")
+            break
+        if step % args.eval_every == 0 and step != args.steps:
+            evals.append({"step": step, **evaluate(model, held_w, Bsz, amp)})
+            log(f"held-out: {evals[-1]}")
+            checkpoint(final=False)
 
-        evals.append({"step": step, **evaluate(model, held_w, Bsz, amp)})
-        log(f"held-out (final): {evals[-1]}")
-        d = checkpoint(final=True)
+    evals.append({"step": step, **evaluate(model, held_w, Bsz, amp)})
+    log(f"held-out (final): {evals[-1]}")
+    d = checkpoint(final=True)
     log(f"saved {args.out}: {d['params'] / 1e6:.2f}M params, train loss {d['train_loss']}, held-out "
         f"{d['held_out']['loss']:.4f} (mtp {d['held_out']['mtp_loss']:.4f}), {d['tokens_per_second']:.0f} tok/s, "
         f"wall {d['wall_seconds']:.0f}s")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

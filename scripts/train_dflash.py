@@ -37,6 +37,7 @@ exit 1 and one line, and writes nothing.
 The engine looks for a checkpoint's drafter in <checkpoint>/dflash/, so `--out BASE/dflash` is the
 natural place; an existing --out that is not this script's output is refused.
 """
+import copy
 import functools
 import json
 import math
@@ -45,18 +46,17 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: train_mtp.py, train.py, arg_types.py
 import train_mtp  # noqa: E402  (it imports train.py, which puts the repository root on sys.path)
 from train_mtp import base_train  # noqa: E402
-from arg_types import Parser, device, existing_path, indices, integer, number, threads  # noqa: E402
+from arg_types import Parser, device, existing_path, indices, integer, learning_rate, number, threads  # noqa: E402
 
 from nano_spec import ssd  # noqa: E402
 from nano_spec.config import ModelConfig  # noqa: E402
 from nano_spec.dflash import DFlashConfig, DFlashDrafter  # noqa: E402
-from nano_spec.weights import load_model, stored_dtype  # noqa: E402
+from nano_spec.weights import load_model, stored_dtype, write_model  # noqa: E402
 
 LOG_FILE = "dflash_train_log.json"
 
@@ -168,7 +168,7 @@ def parse_args(argv=None):
     ap.add_argument("--amp", choices=("none", "bf16"), default="bf16", help="autocast dtype for the matmuls")
     ap.add_argument("--seq-len", type=integer(3), default=512)
     ap.add_argument("--batch", type=size, default=8)
-    ap.add_argument("--lr", type=positive, default=1e-3)
+    ap.add_argument("--lr", type=learning_rate, default=1e-3)
     ap.add_argument("--min-lr-frac", type=number(0, 1), default=0.1)
     ap.add_argument("--warmup", type=count, default=20)
     ap.add_argument("--weight-decay", type=number(0), default=0.01)
@@ -218,14 +218,14 @@ def main(argv=None) -> int:
 
 
 def write_drafter(drafter: DFlashDrafter, out: Path, log: dict, dtype: torch.dtype):
-    """out <- config.json + model.safetensors (in dtype) + LOG_FILE, swapped in atomically (train.replace_dir);
-    a drafter with a NaN or an infinity is refused (train.Diverged), out left as it is."""
-    state = {n: t.detach().to("cpu", dtype).contiguous() for n, t in drafter.state_dict().items()}
-    base_train.require_finite(log["steps"], state)  # as stored: fp16 turns a huge finite weight into inf
+    """out <- config.json + model.safetensors (nano_spec.weights.write_model, in dtype) + LOG_FILE, swapped in
+    atomically (train.replace_dir); a drafter with a NaN or an infinity is refused (train.Diverged), out left as
+    it is."""
+    stored = copy.deepcopy(drafter).to("cpu", dtype)  # the trained drafter stays fp32 on its device
+    base_train.require_finite(log["steps"], stored.state_dict())  # as stored: fp16 turns a huge finite weight into inf
 
-    def fill(tmp: Path):  # what save_model writes, plus the log
-        (tmp / "config.json").write_text(json.dumps(drafter.cfg.to_dict(), indent=2) + "\n", encoding="utf-8")
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    def fill(tmp: Path):
+        write_model(stored, tmp)
         (tmp / LOG_FILE).write_text(json.dumps(log, indent=1) + "\n", encoding="utf-8")
     base_train.replace_dir(out, fill)
 
@@ -234,8 +234,8 @@ def run(args, base: Path, out: Path, cfg: ModelConfig, dcfg: DFlashConfig, data:
     """Train a fresh drafter on data = train_mtp.make_windows(...) and write --out."""
     t0 = time.time()
     log = lambda msg: print(f"[{time.time() - t0:7.1f}s] {msg}", file=sys.stderr, flush=True)  # noqa: E731
-    threads = base_train.ThreadTuner((2, 1) if args.threads == "auto" else (int(args.threads),))
-    threads.start_segment()
+    tuner = base_train.thread_tuner(args.threads)
+    tuner.apply()
     device = torch.device(args.device)
     amp = functools.partial(torch.autocast, device.type, dtype=torch.bfloat16, enabled=args.amp == "bf16")
 
@@ -283,7 +283,8 @@ def run(args, base: Path, out: Path, cfg: ModelConfig, dcfg: DFlashConfig, data:
             g["lr"] = lr
         if cursor + args.batch > len(perm):
             perm, cursor, epoch = torch.randperm(len(train_w), generator=order), 0, epoch + 1
-        t_step = time.time()
+        tuner.apply()
+        ran_on, t_step = tuner.threads(), time.time()
         batch = train_w[perm[cursor:cursor + args.batch]].to(device)  # (B, T+1)
         cursor += args.batch
         with amp():
@@ -297,8 +298,8 @@ def run(args, base: Path, out: Path, cfg: ModelConfig, dcfg: DFlashConfig, data:
         train_s += dt
         step += 1
         tokens += batch.shape[0] * args.seq_len  # tokens through the target
-        if step > 1:
-            threads.record(dt)
+        if step > 1:  # the first step pays one-off allocation costs
+            tuner.observe(tuple(batch.shape), dt)
         vals = torch.cat([loss.detach().float().view(1), acc.float().view(1), agree.float()]).cpu()
         ema = vals if ema is None else 0.95 * ema + 0.05 * vals
         rate = tokens / train_s
@@ -312,7 +313,7 @@ def run(args, base: Path, out: Path, cfg: ModelConfig, dcfg: DFlashConfig, data:
             history.append({"step": step, "minutes": round(train_s / 60, 2), "loss_ema": round(ema[0].item(), 4),
                             "accept_len_ema": round(ema[1].item(), 4), "agree_ema": r(ema[2:2 + K]), "ce": r(ce),
                             "lr": lr, "grad_norm": round(gnorm, 3) if math.isfinite(gnorm) else str(gnorm),
-                            "tokens": tokens, "tokens_per_second": round(rate, 1), "threads": threads.current})
+                            "tokens": tokens, "tokens_per_second": round(rate, 1), "threads": ran_on})
     bar.done()
 
     drafter.eval()

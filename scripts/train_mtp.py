@@ -62,7 +62,7 @@ from tokenizers import Tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/train.py: the corpus and schedule helpers
 import train as base_train  # noqa: E402  (it puts the repository root on sys.path too)
-from arg_types import Parser, device, existing_path, integer, number, threads  # noqa: E402
+from arg_types import Parser, device, existing_path, integer, learning_rate, number, threads  # noqa: E402
 
 from nano_spec_kernels.common import apply_rope_ref  # noqa: E402
 from nano_spec import ssd  # noqa: E402
@@ -268,7 +268,8 @@ def snapshot_path(out: Path, minutes: float) -> Path:
 def check_dirs(base: Path, out: Path, save_at=(), log_file: str = LOG_FILE, script: str = "train_mtp.py",
                inside_base: bool = False):
     """Refuse a base that is not a checkpoint, and outputs (--out, every --save-at snapshot) that would replace
-    the base or a directory `script` did not write (one holding its log_file): writing one deletes what was there.
+    the base, or that train.check_out refuses (a symbolic link, or a path `script` did not write, one without its
+    log_file): writing one deletes what was there.
     inside_base: an output may be a subdirectory of the base (a drafter's <checkpoint>/dflash/); never the base
     itself, nor a directory that holds it."""
     if not (base / "config.json").is_file():
@@ -277,16 +278,13 @@ def check_dirs(base: Path, out: Path, save_at=(), log_file: str = LOG_FILE, scri
         raise ValueError(f"--base: {base} has no tokenizer.json (the corpus is tokenized with it)")
     b = base.resolve()
     for flag, path in [("--out", out)] + [("--save-at", snapshot_path(out, m)) for m in save_at]:
-        if path.is_symlink():  # the save swaps directories by renaming: it would replace the link, not its target
-            raise ValueError(f"{flag}: {path} is a symbolic link; name the directory itself ({path.resolve()})")
         p = path.resolve()
         if p == b or (b in p.parents and not inside_base):
             raise ValueError(f"{flag}: {path} must not be the base directory"
                              + ("" if inside_base else " or inside it"))
         if p in b.parents:
             raise ValueError(f"{flag}: {path} must not hold the base directory")
-        if path.exists() and (not path.is_dir() or (any(path.iterdir()) and not (path / log_file).is_file())):
-            raise ValueError(f"{flag}: {path} exists and is not an output of {script}; choose a new directory")
+        base_train.check_out(flag, path, log_file, script)
 
 
 class Progress:
@@ -332,7 +330,7 @@ def parse_args(argv=None):
     ap.add_argument("--amp", choices=("none", "bf16"), default="bf16", help="autocast dtype for the matmuls")
     ap.add_argument("--seq-len", type=integer(3), default=512)
     ap.add_argument("--batch", type=size, default=8)
-    ap.add_argument("--lr", type=positive, default=1e-3)
+    ap.add_argument("--lr", type=learning_rate, default=1e-3)
     ap.add_argument("--min-lr-frac", type=number(0, 1), default=0.1)
     ap.add_argument("--warmup", type=count, default=20)
     ap.add_argument("--weight-decay", type=number(0), default=0.01)
@@ -394,8 +392,8 @@ def run(args, base: Path, out: Path, cfg: ModelConfig, data: tuple, init_head: d
     """Train the head on data = make_windows(...) and write --out (and the --save-at snapshots)."""
     t0 = time.time()
     log = lambda msg: print(f"[{time.time() - t0:7.1f}s] {msg}", file=sys.stderr, flush=True)  # noqa: E731
-    threads = base_train.ThreadTuner((2, 1) if args.threads == "auto" else (int(args.threads),))
-    threads.start_segment()
+    tuner = base_train.thread_tuner(args.threads)
+    tuner.apply()
     device = torch.device(args.device)
     amp = functools.partial(torch.autocast, device.type, dtype=torch.bfloat16, enabled=args.amp == "bf16")
 
@@ -454,7 +452,8 @@ def run(args, base: Path, out: Path, cfg: ModelConfig, data: tuple, init_head: d
             g["lr"] = lr
         if cursor + args.batch > len(perm):
             perm, cursor, epoch = torch.randperm(len(train_w), generator=order), 0, epoch + 1
-        t_step = time.time()
+        tuner.apply()
+        ran_on, t_step = tuner.threads(), time.time()
         batch = train_w[perm[cursor:cursor + args.batch]].to(device)  # (B, T+1)
         cursor += args.batch
         with amp():
@@ -468,8 +467,8 @@ def run(args, base: Path, out: Path, cfg: ModelConfig, data: tuple, init_head: d
         train_s += dt
         step += 1
         tokens += batch.shape[0] * (batch.shape[1] - 1)  # tokens through the base, as train.py counts
-        if step > 1:
-            threads.record(dt)
+        if step > 1:  # the first step pays one-off allocation costs
+            tuner.observe(tuple(batch.shape), dt)
         vals = torch.cat([loss.detach().float().view(1), ce.float(), agree.float()])  # loss, ce per depth, agree
         ema = vals if ema is None else 0.95 * ema + 0.05 * vals
         rate, U = tokens / train_s, args.unroll
@@ -483,7 +482,7 @@ def run(args, base: Path, out: Path, cfg: ModelConfig, data: tuple, init_head: d
             history.append({"step": step, "minutes": round(train_s / 60, 2), "loss_ema": round(ema[0].item(), 4),
                             "ce_ema": r(ema[1:1 + U]), "agree_ema": r(ema[1 + U:]), "lr": lr,
                             "grad_norm": round(gnorm, 3), "tokens": tokens, "tokens_per_second": round(rate, 1),
-                            "threads": threads.current})
+                            "threads": ran_on})
     record(out, final=True)
     log(f"done: {step} steps, {tokens:,} tokens in {train_s / 60:.1f} min of training "
         f"({tokens / max(train_s, 1e-9):,.0f} tok/s); wall {time.time() - t0:.0f}s")

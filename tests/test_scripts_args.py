@@ -183,6 +183,21 @@ def test_bad_training_arguments_are_one_line(script, flag, value, message, capsy
     assert len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.parametrize("script", sorted(REQUIRED))
+@pytest.mark.parametrize("value", ["1e300", "3.5e37", "1.1e30"])
+def test_lr_too_large_for_adamw_is_one_line(script, value, capsys):
+    """An --lr from ~3.4e37 up made AdamW's first step raise (its fp32 step size lr / (1 - beta1) overflows): a
+    traceback. Every training script refuses an --lr above 1e30 while parsing; 1e30 itself parses (it trains and
+    fails as diverged, exit 1: the diverged-run tests of test_train*.py)."""
+    module = load_script(script)
+    with pytest.raises(SystemExit) as e:
+        module.parse_args(REQUIRED[script] + ["--lr", value])
+    err = capsys.readouterr().err
+    assert e.value.code == 2
+    assert err == f"error: argument --lr: must be a finite number > 0 and <= 1e+30, got {value!r}\n"
+    assert module.parse_args(REQUIRED[script] + ["--lr", "1e30"]).lr == 1e30
+
+
 @pytest.mark.parametrize("script, argv, message", [
     ("train_mtp", ["--seq-len", "16", "--unroll", "15"],
      "argument --unroll: must be at most --seq-len - 2 = 14, got 15"),

@@ -2,6 +2,7 @@
 the training scripts' output swap leaves the old output or the new one whatever interrupts it."""
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -166,25 +167,29 @@ def test_replace_dir_any_interruption_leaves_the_old_or_the_new_output(tmp_path,
 
 @pytest.fixture
 def writers(tmp_path):
-    """name -> (write(out, log), the module whose weights it saves): train_mtp.write_checkpoint on a small head and
-    train_dflash.write_drafter on a small drafter."""
+    """name -> (write(out, log), the module whose weights it saves): train.write_checkpoint on a small model,
+    train_mtp.write_checkpoint on a small head and train_dflash.write_drafter on a small drafter."""
     from types import SimpleNamespace
 
-    from helpers import load_script, tiny_checkpoint, tiny_config
+    from tokenizers import Tokenizer
+
+    from helpers import load_script, tiny_checkpoint, tiny_config, tiny_model
     from nano_spec.dflash import DFlashConfig, DFlashDrafter
     from nano_spec.ops import Ops
 
     base = tiny_checkpoint(tmp_path / "base", num_nextn_predict_layers=0)
-    mtp, dflash = load_script("train_mtp"), load_script("train_dflash")
+    train, mtp, dflash = load_script("train"), load_script("train_mtp"), load_script("train_dflash")
+    model, tok = tiny_model(seed=1), Tokenizer.from_file(str(base / "tokenizer.json"))
     head = SimpleNamespace(mtp=torch.nn.Linear(4, 4))
     drafter = DFlashDrafter(DFlashConfig.for_target(tiny_config(), num_layers=1, block_size=4), Ops("torch"))
-    return {"mtp": (lambda out, log: mtp.write_checkpoint(head, base, out, log, torch.float32), head.mtp),
+    return {"train": (lambda out, log: train.write_checkpoint(model, out, log, tok), model),
+            "mtp": (lambda out, log: mtp.write_checkpoint(head, base, out, log, torch.float32), head.mtp),
             "dflash": (lambda out, log: dflash.write_drafter(drafter, out, log, torch.float32), drafter)}
 
 
-def test_both_scripts_save_through_the_swap(tmp_path, monkeypatch, writers):
-    """train_mtp.write_checkpoint and train_dflash.write_drafter: a failure moving the new output in leaves the
-    earlier output there, byte for byte."""
+def test_every_script_saves_through_the_swap(tmp_path, monkeypatch, writers):
+    """train.write_checkpoint, train_mtp.write_checkpoint and train_dflash.write_drafter: a failure moving the new
+    output in leaves the earlier output there, byte for byte."""
     for name, (write, _) in writers.items():
         out = tmp_path / name
         write(out, {"steps": 1})
@@ -204,7 +209,7 @@ def test_both_scripts_save_through_the_swap(tmp_path, monkeypatch, writers):
         assert failed and tree(out) == before, name
 
 
-def test_both_scripts_refuse_to_save_non_finite_weights(tmp_path, writers):
+def test_every_script_refuses_to_save_non_finite_weights(tmp_path, writers):
     """A weight turned NaN or infinite: the writer raises (train.Diverged, a RuntimeError) and the earlier output
     stays byte for byte."""
     for name, (write, module) in writers.items():
@@ -220,3 +225,137 @@ def test_both_scripts_refuse_to_save_non_finite_weights(tmp_path, writers):
             with torch.no_grad():
                 weight[0, 0] = saved
             assert tree(out) == before and sorted(p.name for p in tmp_path.iterdir() if name in p.name) == [name]
+
+
+# ---- scripts/train.py's own run: its output, its refusals, its threads --------------------------------------------
+@pytest.fixture
+def keep_threads():
+    """torch's thread count, which a training run sets, restored after the test."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def train_script(keep_threads):
+    """scripts/train.py as a module, run in process."""
+    from helpers import load_script
+
+    return load_script("train")
+
+
+@pytest.fixture
+def earlier(tmp_path):
+    """An earlier output of train.py (it holds train_log.json), alone in tmp_path, with bytes to compare."""
+    out = tmp_path / "out"
+    out.mkdir()
+    write_tree(out, {"config.json": b"earlier config", "model.safetensors": b"earlier weights",
+                     "train_log.json": b"{}"})
+    return out
+
+
+def smoke(out, *more):
+    """train.py's --smoke run (tiny config, 5 steps) into out."""
+    return [str(a) for a in ["--out", out, "--smoke", *more]]
+
+
+@pytest.mark.parametrize("case", ["loss", "weights"])
+def test_diverged_run_fails_and_keeps_the_earlier_output(train_script, earlier, capsys, monkeypatch, case):
+    """loss: --lr 1e30 blows the weights up in the first step, and the second step's loss is NaN. weights: the one
+    step's update leaves a NaN weight (after a finite loss), which the save finds. Exit 1 with one line saying so;
+    the earlier output is left byte for byte and nothing is left beside it."""
+    if case == "weights":
+        step = torch.optim.AdamW.step
+
+        def spoiled(opt, *a, **kw):
+            out = step(opt, *a, **kw)
+            with torch.no_grad():
+                opt.param_groups[0]["params"][0].view(-1)[0] = float("nan")
+            return out
+        monkeypatch.setattr(torch.optim.AdamW, "step", spoiled)
+    argv = ["--lr", "1e30", "--steps", 5] if case == "loss" else ["--steps", 1]
+    before = tree(earlier)
+    assert train_script.main(smoke(earlier, "--threads", 1, *argv)) == 1
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    says = r"non-finite loss at step 2;" if case == "loss" else r"non-finite model\.\S+ at step 1;"
+    assert last.startswith("error: training diverged: ") and re.search(says, last) and "--lr" in last, last
+    assert tree(earlier) == before and [p.name for p in earlier.parent.iterdir()] == ["out"]
+
+
+def test_out_symlink_is_refused_before_training(train_script, earlier, tmp_path, capsys):
+    """--out a symbolic link to an earlier output (the swap would replace the link, not its target): exit 2 and one
+    line naming --out before the corpus is read (the run's first log line); the link and its target stay."""
+    before = tree(earlier)
+    link = tmp_path / "link"
+    link.symlink_to(earlier, target_is_directory=True)
+    assert train_script.main(smoke(link, "--threads", 1)) == 2
+    out, err = capsys.readouterr()
+    assert err.startswith("error: --out: ") and "symbolic link" in err and len(err.strip().splitlines()) == 1, err
+    assert out == ""
+    assert link.is_symlink() and tree(earlier) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "out"]
+
+
+@pytest.mark.parametrize("kind", ["directory", "file"])
+def test_out_that_train_did_not_write_is_refused(train_script, tmp_path, capsys, kind):
+    """--out naming an existing file, or a directory of other files (no train_log.json): saving would delete it.
+    Exit 2, one line naming --out, nothing touched."""
+    out = tmp_path / "data"
+    if kind == "directory":
+        out.mkdir()
+        (out / "notes.txt").write_bytes(b"keep me")
+    else:
+        out.write_bytes(b"keep me")
+    assert train_script.main(smoke(out, "--threads", 1)) == 2
+    std, err = capsys.readouterr()
+    assert err.startswith("error: --out: ") and "not an output of train.py" in err, err
+    assert len(err.strip().splitlines()) == 1 and std == ""
+    assert (out / "notes.txt" if kind == "directory" else out).read_bytes() == b"keep me"
+
+
+def test_run_replaces_the_earlier_output_and_logs_its_threads(train_script, earlier, capsys):
+    """A finished run swaps in a whole new output for the earlier one. The thread count each step ran on (the step
+    lines) is what train_log.json counts per thread count: every step but the first, whose one-off costs are not
+    timed."""
+    assert train_script.main(smoke(earlier, "--threads", "auto")) == 0
+    assert sorted(tree(earlier)) == ["config.json", "eval_prompts.jsonl", "model.safetensors", "tokenizer.json",
+                                     "train_log.json"]
+    assert [p.name for p in earlier.parent.iterdir()] == ["out"]
+    log = json.loads((earlier / "train_log.json").read_text())
+    ran = [int(n) for n in re.findall(r"^\[.*\] step \d+/5 .* threads (\d+)$", capsys.readouterr().out, re.M)]
+    assert len(ran) == 5 and set(ran) <= {1, 2}, ran
+    counted = {int(n): k for n, k in log["steps_by_threads"].items()}
+    assert counted == {n: ran[1:].count(n) for n in set(ran[1:])}
+    assert {int(n) for n in log["seconds_per_step_by_threads"]} == set(counted)
+    assert all(s > 0 for s in log["seconds_per_step_by_threads"].values())
+
+
+@pytest.mark.parametrize("name", ["train_mtp", "train_dflash"])
+def test_train_mtp_and_train_dflash_steps_run_on_the_engines_tuner(keep_threads, tmp_path, monkeypatch, name):
+    """--threads auto: every step runs on the thread count the engine's tuner (nano_spec/threads.py) picks, and the
+    log's history says which. Step times are simulated (2 threads 13x slower, a loaded machine), so the tuner's picks
+    are fixed: it stays on 1 thread and probes 2 once, at step 18 (after two segments of 8 timed steps)."""
+    from helpers import load_script, tiny_checkpoint
+    from nano_spec.threads import ThreadTuner
+
+    observe = ThreadTuner.observe
+    monkeypatch.setattr(ThreadTuner, "observe",
+                        lambda self, shape, seconds: observe(self, shape, 13e-3 if self.threads() > 1 else 1e-3))
+    script, ran = load_script(name), []
+    losses = script.losses
+
+    def counted(*args):
+        if torch.is_grad_enabled():  # a training step; evaluations run without grad
+            ran.append(torch.get_num_threads())
+        return losses(*args)
+    monkeypatch.setattr(script, "losses", counted)
+    base = tiny_checkpoint(tmp_path / "base", seed=3, num_nextn_predict_layers=0)
+    (tmp_path / "corpus.txt").write_text("def f(x):\n    return x + 1\n\nfor i in range(10):\n    print(f(i))\n" * 40)
+    argv = ["--base", base, "--out", tmp_path / "out", "--corpus", tmp_path / "corpus.txt", "--steps", 20,
+            "--seq-len", 16, "--batch", 2, "--threads", "auto", "--eval-windows", 0, "--amp", "none", "--log-every", 1]
+    if name == "train_dflash":
+        argv += ["--block", 4, "--layers", 1, "--anchors", 3]
+    assert script.main([str(a) for a in argv]) == 0
+    log = json.loads((tmp_path / "out" / script.LOG_FILE).read_text())
+    assert ran == [1] * 17 + [2] + [1] * 2
+    assert [h["threads"] for h in log["history"]] == ran
