@@ -5,9 +5,9 @@ every op ends in a barrier that waits for a peer the OS has descheduled. How bus
 known from the work's size, and it changes while the engine runs. So the engine measures:
 
     segment   SEG steps on the current choice, each step's time kept per shape (B, γ), a mean that forgets fast
-    probe     after `every` segments, steps on the other choice; each is compared with the current choice's
-              mean at the same shape. One step slower by MARGIN ends the probe; a probe whose steps are faster
-              by MARGIN switches
+    probe     after `every` segments, up to SEG steps on the other choice; each is compared with the current
+              choice's mean at the same shape. One step COLLAPSE x slower ends the probe at once; a probe whose
+              median step is faster by MARGIN switches
     backoff   each lost probe multiplies `every` by BACKOFF (at most MAX_EVERY), so on a loaded machine the
               slow probes cost a few percent; a switch resets it
     stall     a step STALL x slower than its shape's mean (the load came) scales every shape's mean by as
@@ -25,6 +25,7 @@ MARGIN = 1.1
 BACKOFF = 4
 MAX_EVERY = 64
 STALL = 3.0
+COLLAPSE = 2.0  # a probe step this much slower than the current choice's ends the probe at once
 KEEP = 0.5  # weight of the old mean at each new step: a load that comes shows within two steps
 
 
@@ -60,7 +61,7 @@ class ThreadTuner:
         if self.probing:
             if base is not None:
                 self.ratios.append(seconds / base)
-            if (self.ratios and self.ratios[-1] > MARGIN) or self.n >= SEG:
+            if (self.ratios and self.ratios[-1] > COLLAPSE) or self.n >= SEG:
                 self._end_probe()
         elif base is not None and seconds > STALL * base:  # a load slows every shape: rescale them all
             for key in [k for k in self.mean if k[1] == t and k[0] != shape]:
@@ -77,7 +78,7 @@ class ThreadTuner:
 
     def _end_probe(self):
         ratios = sorted(self.ratios)
-        if ratios and ratios[-1] <= MARGIN and ratios[len(ratios) // 2] * MARGIN < 1:  # the other choice won
+        if ratios and ratios[-1] <= COLLAPSE and ratios[len(ratios) // 2] * MARGIN < 1:  # the other choice won
             self.current, self.other, self.every = self.other, self.current, 1
         else:
             self.every = min(self.every * BACKOFF, MAX_EVERY)
