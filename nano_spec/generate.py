@@ -13,6 +13,8 @@ import os
 import sys
 import time
 
+from nano_spec.cli import check_threads, read_file, read_schema
+
 DEFAULT_PROMPT = 'class Stack:\n    """A last-in, first-out stack."""\n\n    def __init__(self):\n        self.'
 
 
@@ -59,30 +61,6 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
-def check_threads(threads):
-    from nano_spec.capacity import MAX_THREADS  # the engine's bound, named by the flag
-
-    if threads is not None and not 1 <= threads <= MAX_THREADS:
-        raise ValueError(f"--threads: must be an integer in [1, {MAX_THREADS}] (4 per CPU core), got {threads}")
-
-
-def read_file(flag: str, path: str) -> str:
-    try:
-        with open(path, encoding="utf-8-sig") as f:  # a byte order mark some editors write is not text
-            return f.read()
-    except OSError as e:
-        raise ValueError(f"{flag}: cannot read {path} ({e.strerror})") from None
-    except UnicodeDecodeError:
-        raise ValueError(f"{flag}: {path} is not UTF-8 text") from None
-
-
-def read_schema(path: str) -> dict:
-    try:
-        return json.loads(read_file("--json-schema", path))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--json-schema: {path} is not JSON ({e})") from None
-
-
 def read_prompts(args) -> list:
     text = read_file("--prompts-file", args.prompts_file) if args.prompts_file else ""
     prompts = list(args.prompt or [])
@@ -110,7 +88,7 @@ RESET = "\033[0m"
 
 def show_drafts(tok, out, colour: bool) -> str:
     """The completion with each run of tokens of one origin coloured (or bracketed without colour)."""
-    from nano_spec.tokenizer import IncrementalDecoder
+    from nano_spec.text.tokenizer import IncrementalDecoder
 
     decoder = IncrementalDecoder(tok)  # a character split across tokens goes to the last
     pieces = zip(out.origins, map(decoder.add, out.token_ids))
@@ -153,7 +131,8 @@ def main(argv=None) -> int:
 
 
 def run(args) -> int:
-    from nano_spec import LLM, SamplingParams  # after argparse: --help stays instant
+    from nano_spec.engine.llm import LLM  # after argparse: --help stays instant
+    from nano_spec.engine.sampling import SamplingParams
 
     try:
         check_threads(args.threads)

@@ -9,7 +9,17 @@ drafts and K = γ + 1 for the accept rule.
 """
 import torch
 
-from nano_spec.proposers import ngram_lookup
+
+def ngram_lookup(tokens: list, gamma: int, max_n: int = 3) -> list:
+    """Up to γ tokens that followed the latest earlier occurrence of the longest matching suffix: the plain scan
+    (the engine's NgramProposer finds the same through its index)."""
+    L = len(tokens)
+    for n in range(min(max_n, L - 1), 0, -1):
+        tail = tokens[L - n :]
+        for start in range(L - n - 1, -1, -1):  # latest first; the suffix itself is excluded
+            if tokens[start : start + n] == tail:
+                return tokens[start + n : start + n + gamma]
+    return []
 
 
 def filtered(logits, temperature: float, top_k: int, top_p: float):

@@ -9,7 +9,7 @@ import os
 
 import torch
 
-from nano_spec.capacity import MAX_THREADS  # the engine's bound on --threads
+from nano_spec.engine.threads import MAX_THREADS  # the engine's bound on --threads
 
 
 class Parser(argparse.ArgumentParser):

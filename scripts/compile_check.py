@@ -43,14 +43,14 @@ from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import create_function_from_signature
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "kernels")]  # nano_spec, nano_spec_kernels: runnable without installing
+sys.path[:0] = [str(ROOT), str(ROOT / "kernels"), str(ROOT / "scripts")]  # runnable without installing
 
-from nano_spec.cache import HybridCache  # noqa: E402
-from nano_spec.model import HybridLM  # noqa: E402
-from nano_spec.ops import OP_NAMES  # noqa: E402
+from nano_spec.model.cache import HybridCache  # noqa: E402
+from nano_spec.model.model import HybridLM  # noqa: E402
+from nano_spec.model.ops import OP_NAMES  # noqa: E402
 from nano_spec_kernels import (attention_prefill, attention_verify, commit_state, gated_rmsnorm,  # noqa: E402
                                gather_rows, mamba_scan, mamba_verify, rmsnorm, verdict_greedy, verdict_sample)
-from tests.bench.models import models  # noqa: E402
+from model_shapes import models  # noqa: E402  (scripts/, beside this file)
 
 TARGET = GPUTarget("cuda", 90, 32)
 N_SM = 132  # H200 (and H100 SXM): the split counts of attention_verify and verdict_greedy depend on it

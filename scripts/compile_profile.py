@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-from nano_spec.llm import LLM, shipped_weights
+from nano_spec.engine.llm import LLM
+from nano_spec.engine.settings import shipped_weights
 
 
 def mean_ms(fn, calls: int) -> float:

@@ -26,8 +26,8 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: arg_types
 from arg_types import Parser  # noqa: E402
 
-from nano_spec.llm import shipped_weights  # noqa: E402
-from nano_spec.weights import load_model  # noqa: E402
+from nano_spec.engine.settings import shipped_weights  # noqa: E402
+from nano_spec.model.model import load_model  # noqa: E402
 
 
 def converter_copy(src: Path, dst: Path) -> int:

@@ -22,8 +22,9 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from nano_spec.llm import LLM, shipped_weights
-from nano_spec.sampling import SamplingParams
+from nano_spec.engine.llm import LLM
+from nano_spec.engine.settings import shipped_weights
+from nano_spec.engine.sampling import SamplingParams
 
 
 class ProfiledOps:

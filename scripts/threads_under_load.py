@@ -4,7 +4,7 @@
 
 Starts --busy processes that spin (0: an idle machine), then times, interleaved in one process, engines that
 differ only in `threads`: None (the default: one thread for a small step, else chosen from measured steps,
-nano_spec/threads.py), 1, and one per core. Each engine's scheduler sets its own count before every step, so
+nano_spec/engine/threads.py), 1, and one per core. Each engine's scheduler sets its own count before every step, so
 they share the process. Two workloads: the demo's (the first --prompts eval prompts one at a time, as
 `python -m nano_spec.generate` runs one prompt) and a batch of 8 (every slot busy: where more threads pay
 on an idle machine). Reports the median tokens/s over the rounds, the CPU seconds beside the wall seconds,
@@ -20,8 +20,9 @@ import time
 
 import torch
 
-from nano_spec.llm import LLM, shipped_weights
-from nano_spec.sampling import SamplingParams
+from nano_spec.engine.llm import LLM
+from nano_spec.engine.settings import shipped_weights
+from nano_spec.engine.sampling import SamplingParams
 
 
 def spin():

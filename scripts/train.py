@@ -12,8 +12,8 @@ Steps:
         loss = CE(logits_p, x_{p+1}) + mtp_weight * CE(mtp_logits(o_p), x_{p+2}),
         o_p = MTP(h_p, x_{p+1}),  h_p the base model's final-normed hidden.
     AdamW, linear warmup + cosine decay, gradient clipping; Mamba layers use the chunked SSD scan
-    (nano_spec/ssd.py) because the reference scan is a Python loop over T.
- 4. a checkpoint: config.json, model.safetensors (nano_spec.weights.write_model), tokenizer.json, train_log.json,
+    (nano_spec/model/ssd.py) because the reference scan is a Python loop over T.
+ 4. a checkpoint: config.json, model.safetensors (nano_spec.model.weights.write_model), tokenizer.json, train_log.json,
     eval_prompts.jsonl (held-out source chunks cut at line boundaries, for the benchmarks), swapped in whole
     (replace_dir) at every evaluation and at the end: an interrupted save leaves the old output or the new one.
     A NaN or infinite loss or weight stops the run with exit 1 and one line; nothing more is written. An --out
@@ -47,12 +47,12 @@ sys.path.insert(0, str(ROOT / "scripts"))  # arg_types, also when this file is i
 
 from arg_types import Parser, device, integer, learning_rate, number, threads  # noqa: E402
 
-from nano_spec import ssd  # noqa: E402
-from nano_spec import threads as engine_threads  # noqa: E402  (the name threads is arg_types')
-from nano_spec.config import ModelConfig  # noqa: E402
-from nano_spec.model import HybridLM  # noqa: E402
-from nano_spec.ops import Ops  # noqa: E402
-from nano_spec.weights import write_model  # noqa: E402
+from nano_spec.model import ssd  # noqa: E402
+from nano_spec.engine import threads as engine_threads  # noqa: E402  (the name threads is arg_types')
+from nano_spec.model.config import ModelConfig  # noqa: E402
+from nano_spec.model.model import HybridLM  # noqa: E402
+from nano_spec.model.ops import Ops  # noqa: E402
+from nano_spec.model.weights import write_model  # noqa: E402
 
 EOS = "<|endoftext|>"
 LOG_FILE = "train_log.json"
@@ -171,7 +171,7 @@ def lr_at(step: int, progress: float, args) -> float:
 
 
 def thread_tuner(choice) -> engine_threads.ThreadTuner:
-    """The engine's tuner (nano_spec/threads.py) for --threads: auto measures 1 and 2 threads step by step, N always
+    """The engine's tuner (nano_spec/engine/threads.py) for --threads: auto measures 1 and 2 threads step by step, N always
     runs N. A run calls apply() before each step and observe(shape, seconds) after each timed one."""
     return engine_threads.ThreadTuner(2 if choice == "auto" else choice, tune=choice == "auto")
 

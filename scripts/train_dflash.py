@@ -3,7 +3,7 @@
     python scripts/train_dflash.py --base DIR --out DIR [--minutes 30 | --steps N] [--block 8] [--layers 2]
                                    [--taps i,j,..] [--anchors 16] [--decay 4.0] [--corpus PATH]
 
-The drafter is the one of nano_spec/dflash.py (docs/DESIGN.md §13): a few Qwen3-style layers that read
+The drafter is the one of nano_spec/model/dflash.py (docs/DESIGN.md §13): a few Qwen3-style layers that read
 the target's residual stream after the tapped layers (--taps; default dflash.default_taps) as context
 and draft a whole block [x_a, MASK x (Bk-1)] in one non-causal forward, through the target's embedding
 and head (both frozen). Only the drafter trains; it starts from init_weights(seed=--seed), in fp32.
@@ -30,7 +30,7 @@ by default (its held-out modules never train), or --corpus FILE|DIR with its las
 The held-out windows are evaluated (loss, agreement by position) before and after training, with the
 same anchors both times; with none (--eval-windows 0) nothing is evaluated and the log's held_out is null.
 
---out gets the drafter as nano_spec.dflash.load_drafter reads it (config.json with dflash_config,
+--out gets the drafter as nano_spec.model.dflash.load_drafter reads it (config.json with dflash_config,
 model.safetensors in the base's stored dtype) and dflash_train_log.json, swapped in together (train.replace_dir):
 an interrupted save leaves the old output or the new one. A NaN or infinite loss or weight stops the run with
 exit 1 and one line, and writes nothing.
@@ -53,10 +53,11 @@ import train_mtp  # noqa: E402  (it imports train.py, which puts the repository 
 from train_mtp import base_train  # noqa: E402
 from arg_types import Parser, device, existing_path, indices, integer, learning_rate, number, threads  # noqa: E402
 
-from nano_spec import ssd  # noqa: E402
-from nano_spec.config import ModelConfig  # noqa: E402
-from nano_spec.dflash import DFlashConfig, DFlashDrafter  # noqa: E402
-from nano_spec.weights import load_model, stored_dtype, write_model  # noqa: E402
+from nano_spec.model import ssd  # noqa: E402
+from nano_spec.model.config import ModelConfig  # noqa: E402
+from nano_spec.model.dflash import DFlashConfig, DFlashDrafter  # noqa: E402
+from nano_spec.model.weights import stored_dtype, write_model
+from nano_spec.model.model import load_model  # noqa: E402
 
 LOG_FILE = "dflash_train_log.json"
 
@@ -218,7 +219,7 @@ def main(argv=None) -> int:
 
 
 def write_drafter(drafter: DFlashDrafter, out: Path, log: dict, dtype: torch.dtype):
-    """out <- config.json + model.safetensors (nano_spec.weights.write_model, in dtype) + LOG_FILE, swapped in
+    """out <- config.json + model.safetensors (nano_spec.model.weights.write_model, in dtype) + LOG_FILE, swapped in
     atomically (train.replace_dir); a drafter with a NaN or an infinity is refused (train.Diverged), out left as
     it is."""
     stored = copy.deepcopy(drafter).to("cpu", dtype)  # the trained drafter stays fp32 on its device

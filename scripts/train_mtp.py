@@ -65,10 +65,11 @@ import train as base_train  # noqa: E402  (it puts the repository root on sys.pa
 from arg_types import Parser, device, existing_path, integer, learning_rate, number, threads  # noqa: E402
 
 from nano_spec_kernels.common import apply_rope_ref  # noqa: E402
-from nano_spec import ssd  # noqa: E402
-from nano_spec.config import ModelConfig  # noqa: E402
-from nano_spec.model import MTPHead  # noqa: E402
-from nano_spec.weights import HEAD_FILE, load_model, stored_dtype  # noqa: E402
+from nano_spec.model import ssd  # noqa: E402
+from nano_spec.model.config import ModelConfig  # noqa: E402
+from nano_spec.model.model import MTPHead  # noqa: E402
+from nano_spec.model.weights import HEAD_FILE, stored_dtype
+from nano_spec.model.model import load_model  # noqa: E402
 
 LOG_FILE = "mtp_train_log.json"
 

@@ -43,7 +43,7 @@ def assert_unchanged(name: str, before: torch.Tensor, after: torch.Tensor):
 
 def tiny_config(**overrides):
     """A small hybrid config with awkward sizes (P, N not powers of two) and an MTP head."""
-    from nano_spec.config import ModelConfig
+    from nano_spec.model.config import ModelConfig
 
     d = dict(vocab_size=67, hidden_size=48, num_attention_heads=4, num_key_value_heads=2,
              shared_intermediate_size=40, layer_types=["mamba", "attention", "mamba", "mamba"],
@@ -61,8 +61,8 @@ def mtp_kv(cfg, num_slots: int, max_len: int, device="cpu"):
 
 
 def tiny_model(seed: int = 0, backend: str = "torch", **overrides):
-    from nano_spec.model import HybridLM
-    from nano_spec.ops import Ops
+    from nano_spec.model.model import HybridLM
+    from nano_spec.model.ops import Ops
 
     model = HybridLM(tiny_config(**overrides), Ops(backend)).init_weights(std=0.2, seed=seed)
     with torch.no_grad():  # non-trivial norm weights and skip, so a wrong weight shows
@@ -91,7 +91,7 @@ def tiny_checkpoint(path, seed: int = 0, **overrides):
     """A random-weight checkpoint directory with a tokenizer; returns the path."""
     from pathlib import Path
 
-    from nano_spec.weights import save_model
+    from nano_spec.model.weights import save_model
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

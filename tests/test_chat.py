@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from helpers import tiny_checkpoint, tiny_model
-from nano_spec.llm import LLM
-from nano_spec.sampling import SamplingParams
-from nano_spec.weights import save_model
+from nano_spec.engine.llm import LLM
+from nano_spec.engine.sampling import SamplingParams
+from nano_spec.model.weights import save_model
 
 transformers = pytest.importorskip("transformers")
 huggingface_hub = pytest.importorskip("huggingface_hub")
@@ -147,7 +147,7 @@ def test_template_sources_and_variables_equal_transformers(tmp_path, source):
         write_tokenizer_config(path, GRANITE if source == "both" else JSON_STYLE, **tokens)
         if source != "tokenizer_config":
             (path / "chat_template.jinja").write_text(JSON_STYLE, encoding="utf-8")
-    from nano_spec.chat import ChatTemplate, conversation
+    from nano_spec.text.chat import ChatTemplate, conversation
 
     template = ChatTemplate(path)
     for conv in CONVERSATIONS.values():

@@ -8,8 +8,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from helpers import assert_unchanged, tiny_config, tiny_model
-from nano_spec.config import ConfigError, ModelConfig
-from nano_spec.weights import CheckpointError, load_model, save_model
+from nano_spec.model.config import ConfigError, ModelConfig
+from nano_spec.model.weights import CheckpointError, save_model
+from nano_spec.model.model import load_model
 
 
 @pytest.fixture
@@ -242,9 +243,9 @@ def test_head_file_without_head_in_config_is_refused(ckpt):
 
 LOAD_PEAK = """
 import sys, torch
-from nano_spec.config import ModelConfig
-from nano_spec.capacity import weight_bytes
-from nano_spec.weights import load_model
+from nano_spec.model.config import ModelConfig
+from nano_spec.engine.capacity import weight_bytes
+from nano_spec.model.model import load_model
 # LLM counts the weights on the meta device before loading; that also pays one-off library costs
 # (the kernel modules, torch's first Conv1d), which are code, not loading
 weight_bytes(ModelConfig.from_file(sys.argv[1] + "/config.json"), torch.float32)

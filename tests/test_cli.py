@@ -92,8 +92,8 @@ def dflash_ckpt(tmp_path_factory):
     """A tiny checkpoint with a random DFlash drafter in its dflash/ directory."""
     from test_dflash import tiny_drafter
 
-    from nano_spec.config import ModelConfig
-    from nano_spec.weights import save_model
+    from nano_spec.model.config import ModelConfig
+    from nano_spec.model.weights import save_model
 
     path = tiny_checkpoint(tmp_path_factory.mktemp("cli-dflash") / "tiny", seed=2)
     save_model(tiny_drafter(ModelConfig.from_file(path / "config.json"), layers=1, block=4), path / "dflash")

@@ -8,7 +8,7 @@ import torch
 
 from helpers import load_script, tiny_checkpoint
 from nano_spec import LLM, SamplingParams
-from nano_spec.compiled import bucket
+from nano_spec.engine.compiled import bucket
 
 PROMPTS = ["def f(x):", "for i in range(10):\n    print(i)\n", "h", "héllo wörld ✓ héllo", "x = 1\ny = 2\n" * 3]
 GREEDY = SamplingParams(max_new_tokens=16, ignore_eos=True)
@@ -154,9 +154,9 @@ def test_compiled_step_writes_the_caches_where_they_lie(ckpt):
 def test_compiled_accept_rule_equals_eager(case):
     """The accept rule as CUDA runs it (compiled; on the CPU the engine runs it eager, as it is cheaper there):
     the same na and tokens as the eager rule for greedy, sampled and grammar-masked rows, at two batch shapes."""
-    from nano_spec.compiled import CompiledAcceptRule
-    from nano_spec.ops import Ops
-    from nano_spec.sampling import BatchSampling, accept_rule
+    from nano_spec.engine.compiled import CompiledAcceptRule
+    from nano_spec.model.ops import Ops
+    from nano_spec.engine.sampling import BatchSampling, accept_rule
 
     ops, rule, g = Ops("torch"), CompiledAcceptRule("cpu"), torch.Generator().manual_seed(3)
     for B, K, V in [(3, 4, 50), (5, 2, 50)]:

@@ -1,4 +1,4 @@
-"""The DFlash block drafter (nano_spec/dflash.py): equal to the reference implementation on the same weights,
+"""The DFlash block drafter (nano_spec/model/dflash.py): equal to the reference implementation on the same weights,
 stored in its format, and lossless in the engine (greedy == plain decoding, seeded sampling follows the target)."""
 import json
 import shutil
@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from helpers import assert_close, tiny_config
-from nano_spec.dflash import DFlashConfig, DFlashDrafter, default_taps, load_drafter
-from nano_spec.ops import Ops
-from nano_spec.weights import save_model
+from nano_spec.model.dflash import DFlashConfig, DFlashDrafter, default_taps, load_drafter
+from nano_spec.model.ops import Ops
+from nano_spec.model.weights import save_model
 
 
 def tiny_drafter(cfg=None, layers: int = 2, block: int = 4, seed: int = 0, **kw) -> DFlashDrafter:
@@ -102,8 +102,8 @@ def test_target_taps_are_the_layer_outputs(tmp_path):
     (hidden_states[i + 1] of GraniteMoeHybridForCausalLM on the same weights)."""
     from test_transformers_parity import hf_model
 
-    from nano_spec.cache import HybridCache
-    from nano_spec.weights import load_model
+    from nano_spec.model.cache import HybridCache
+    from nano_spec.model.model import load_model
 
     hf = hf_model()
     hf.save_pretrained(tmp_path)
@@ -131,7 +131,7 @@ BLOCK = 5
 def ckpt(tmp_path_factory):
     from helpers import tiny_checkpoint
 
-    from nano_spec.config import ModelConfig
+    from nano_spec.model.config import ModelConfig
 
     path = tiny_checkpoint(tmp_path_factory.mktemp("dflash") / "tiny", seed=5)
     save_model(tiny_drafter(ModelConfig.from_file(path / "config.json"), layers=2, block=BLOCK, seed=3),
@@ -261,7 +261,7 @@ BAD_DRAFTER_CONFIGS = {  # id: (keys into config.json, the value put there, the 
 
 def edited_drafter(tmp_path, keys=(), value=None):
     """A copy of the shipped drafter whose config.json holds value at keys (no keys: unedited)."""
-    from nano_spec.llm import shipped_weights
+    from nano_spec.engine.settings import shipped_weights
 
     path = Path(shutil.copytree(shipped_weights() / "dflash", tmp_path / "dflash"))
     cfg = json.loads((path / "config.json").read_text())
@@ -303,7 +303,7 @@ def test_bad_drafter_config_names_the_field(tmp_path, monkeypatch, keys, value, 
 def test_weight_bytes_counts_the_drafter_without_building_it(monkeypatch, layers, kw):
     """capacity.weight_bytes adds the drafter's parameters as the built drafter has them, in the dtype's bytes,
     and builds no drafter to count them."""
-    from nano_spec.capacity import weight_bytes
+    from nano_spec.engine.capacity import weight_bytes
 
     target = tiny_config(num_key_value_heads=1)
     cfg = DFlashConfig.for_target(target, num_layers=layers, **kw)

@@ -7,7 +7,7 @@ import pytest
 
 from helpers import assert_idle, tiny_checkpoint
 from nano_spec import LLM, SamplingParams
-from nano_spec import grammar as grammar_module
+from nano_spec.text import grammar as grammar_module
 
 
 @pytest.fixture(scope="module")
@@ -175,7 +175,7 @@ def test_json_schema_true_is_any_compact_value(llm):
 def test_shipped_model_finishes_json_without_x_guidance():
     """The shipped model under docs/person.schema.json stripped of its x-guidance: with flexible whitespace half
     of these prompts ran to the token limit on newlines; compact, every one finishes with a parsable object."""
-    from nano_spec.llm import shipped_weights
+    from nano_spec.engine.settings import shipped_weights
 
     ckpt = shipped_weights()
     schema = json.loads((ckpt.parent.parent / "docs" / "person.schema.json").read_text(encoding="utf-8"))
@@ -194,7 +194,7 @@ def test_shipped_model_finishes_json_without_x_guidance():
 def test_decoder_passes_a_real_replacement_character_at_once(llm, text):
     """After every token the text is a prefix of the whole (an unfinished character waits, nothing is invented),
     and once the last token is in, all of it, without asking for full_text()."""
-    from nano_spec.tokenizer import IncrementalDecoder
+    from nano_spec.text.tokenizer import IncrementalDecoder
 
     decoder = IncrementalDecoder(llm.tokenizer)
     for token in llm.tokenizer.encode(text):
@@ -252,7 +252,7 @@ def test_characters_beyond_the_bmp_are_text(llm):
 ])
 def test_config_values_of_the_wrong_type_name_the_field(field, value, message):
     from helpers import tiny_config
-    from nano_spec.config import ConfigError
+    from nano_spec.model.config import ConfigError
 
     with pytest.raises(ConfigError) as e:
         tiny_config(**{field: value})

@@ -10,7 +10,7 @@ import torch
 
 from helpers import tiny_checkpoint
 from nano_spec import LLM, SamplingParams
-from nano_spec.proposers import Drafts
+from nano_spec.drafters.base import Drafts
 
 PROMPTS = ["def f(x):", "for i in range(10):\n    print(i)\n", "h", "héllo wörld ✓ héllo", "x = 1\ny = 2\n" * 3]
 

@@ -6,8 +6,9 @@ import pytest
 
 from helpers import tiny_checkpoint
 from nano_spec import LLM, SamplingParams
-from nano_spec.proposers import NgramProposer, ngram_lookup
-from nano_spec.scheduler import Sequence
+from nano_spec.drafters.ngram import NgramProposer
+from nano_spec.reference import ngram_lookup
+from nano_spec.engine.scheduler import Sequence
 
 LONG = SamplingParams(max_new_tokens=200, ignore_eos=True)
 SHORT = SamplingParams(max_new_tokens=3, ignore_eos=True)

@@ -44,7 +44,7 @@ def test_transformers_kernel_hub_and_our_kernels_in_one_process():
         from kernels import CUDAProperties  # transformers' hub_kernels imports this name
 
         import nano_spec_kernels.common
-        from nano_spec.weights import load_model
+        from nano_spec.model.model import load_model
 
         assert sys.path[0] in ("", "."), sys.path[0]  # the repository root comes first
         assert "site-packages" in kernels.__file__, kernels.__file__
@@ -83,6 +83,8 @@ def test_wheel_has_no_top_level_kernels(tmp_path):
     print("wheel top-level names:", top)
     assert top == ["nano_spec", "nano_spec_kernels"], top
     assert "nano_spec_kernels/mamba_verify.py" in names
+    package = {str(p.relative_to(ROOT)) for p in (ROOT / "nano_spec").rglob("*.py")}
+    assert package <= set(names), sorted(package - set(names))  # every subfolder of the package ships
 
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from helpers import assert_close, assert_unchanged, mtp_kv, tiny_model
-from nano_spec.cache import HybridCache
+from nano_spec.model.cache import HybridCache
 
 SLOTS = [4, 1, 2]  # non-contiguous, out of order
 

@@ -84,7 +84,7 @@ def test_torch_ops_compute():
     out = run_without_triton("""
         import torch
 
-        from nano_spec.ops import OP_NAMES, Ops, resolve_backend
+        from nano_spec.model.ops import OP_NAMES, Ops, resolve_backend
 
         ops = Ops("torch")
         assert all(callable(getattr(ops, name)) for name in OP_NAMES)
@@ -102,7 +102,7 @@ def test_torch_ops_compute():
 
 def test_triton_backend_is_refused():
     out = run_without_triton("""
-        from nano_spec.ops import Ops
+        from nano_spec.model.ops import Ops
 
         try:
             Ops("triton")
@@ -130,7 +130,7 @@ def test_generate_cli_on_torch_backend():
 
 def test_reference_loop_without_triton():
     out = run_without_triton("""
-        from nano_spec.llm import LLM
+        from nano_spec.engine.llm import LLM
         from nano_spec.reference import speculative_generate
 
         llm = LLM(backend="torch", max_batch=1)

@@ -4,7 +4,7 @@ import itertools
 import pytest
 
 from nano_spec import LLM, SamplingParams
-from nano_spec.planner import PROBE, DraftPlanner
+from nano_spec.engine.planner import PROBE, DraftPlanner
 from tests.helpers import tiny_checkpoint
 
 PROMPTS = ["def add(a, b):\n    return", "import os\nimport", "class Stack:\n", "x = [1, 2, 3]\nfor", "# sum\n"]
@@ -128,7 +128,7 @@ def test_expected_tokens_is_one_plus_the_sum_of_products():
 def test_threads_rule_and_override(ckpt):
     import torch
 
-    from nano_spec.capacity import SPLIT_WORK, TORCH_THREADS, default_threads
+    from nano_spec.engine.threads import SPLIT_WORK, TORCH_THREADS, default_threads
 
     llm = LLM(ckpt, max_batch=1)
     n = sum(p.numel() for p in llm.model.parameters())

@@ -12,13 +12,17 @@ import json
 import pytest
 import torch
 
-from bench.models import granite_1b, granite_350m
-from helpers import assert_close, train_tiny_tokenizer
-from nano_spec.config import ModelConfig
-from nano_spec.capacity import check_memory, default_max_seq_len, memory_parts, weight_bytes
-from nano_spec.llm import LLM
-from nano_spec.sampling import SamplingParams
-from nano_spec.weights import load_model, stored_dtype
+from helpers import assert_close, load_script, train_tiny_tokenizer
+from nano_spec.model.config import ModelConfig
+from nano_spec.engine.capacity import fit, memory_parts, weight_bytes
+from nano_spec.engine.llm import LLM
+from nano_spec.engine.sampling import SamplingParams
+from nano_spec.engine.settings import EngineConfig
+from nano_spec.model.weights import stored_dtype
+from nano_spec.model.model import load_model
+
+SHAPES = load_script("model_shapes")  # the published Granite 4.0-H configs
+granite_350m, granite_1b = SHAPES.granite_350m, SHAPES.granite_1b
 
 transformers = pytest.importorskip("transformers")
 
@@ -61,9 +65,9 @@ def test_saved_config_has_the_published_field_names_and_spelling(tmp_path):
     """save_model's config.json against granite-4.0-h-350m's: the same names for the same fields, and the
     values of a model built from the published config (shrunk; a small vocabulary, for a quick save) written back
     as published: layer_types "mamba"/"attention", intermediate_size beside shared_intermediate_size."""
-    from nano_spec.model import HybridLM
-    from nano_spec.ops import Ops
-    from nano_spec.weights import save_model
+    from nano_spec.model.model import HybridLM
+    from nano_spec.model.ops import Ops
+    from nano_spec.model.weights import save_model
 
     hub = dict(shrunk(), vocab_size=512, bos_token_id=257, eos_token_id=257, pad_token_id=256)
     save_model(HybridLM(ModelConfig.from_dict(hub), Ops("torch")).init_weights(std=0.02, seed=0), tmp_path / "ck")
@@ -95,7 +99,7 @@ def test_logits_match_transformers_past_a_chunk(ckpt):
 
 
 def prompts(path) -> list:
-    from nano_spec.tokenizer import Tokenizer
+    from nano_spec.text.tokenizer import Tokenizer
 
     tok = Tokenizer(path, ModelConfig.from_file(path / "config.json"))
     texts = ["def f(x):\n    return x + 1\n" * 3, "for i in range(10):\n    print(i)\n" * 2, "héllo wörld ✓ " * 4]
@@ -144,21 +148,26 @@ def test_default_max_seq_len_is_the_largest_that_fits(hub, capped):
     max_position_embeddings and the 1b the largest length whose fp32 weights and caches fit."""
     cfg = ModelConfig.from_dict(hub())
     budget = int(0.9 * 24 * 10**9)
-    n = default_max_seq_len(cfg, 8, 3, torch.float32, budget)
-    check_memory(cfg, 8, n, 3, torch.float32, budget)  # fits
+    n = fit(settings(cfg, 8, 3, budget))[0].max_seq_len  # fits
     if capped:
         assert n == cfg.max_position_embeddings
     else:
         assert 4096 < n < cfg.max_position_embeddings
         with pytest.raises(ValueError, match=r"memory: max_batch=8, max_seq_len=\d+, K=4 need .* but the budget"):
-            check_memory(cfg, 8, n + 1, 3, torch.float32, budget)  # one more row does not
+            fit(settings(cfg, 8, 3, budget, max_seq_len=n + 1))  # one more row does not
+
+
+def settings(cfg, max_batch: int, max_drafts: int, budget: int, max_seq_len=None) -> EngineConfig:
+    """fp32 on the CPU, n-gram drafts (no drafter state)."""
+    return EngineConfig(None, cfg, torch.device("cpu"), torch.float32, "torch", False, max_batch, "ngram", max_drafts,
+                        False, None, None, None, budget, max_seq_len)
 
 
 def test_llm_default_fits_a_small_budget_and_an_explicit_request_is_refused(ckpt):
     path, _ = ckpt
     cfg = ModelConfig.from_file(path / "config.json")
     want = 1000
-    budget = sum(memory_parts(cfg, 2, want, 3, torch.float32, weight_bytes(cfg, torch.float32)).values())
+    budget = sum(memory_parts(settings(cfg, 2, 3, 0), want, weight_bytes(cfg, torch.float32)).values())
     llm = LLM(path, backend="torch", device="cpu", max_batch=2, num_drafts=3, memory_budget=budget)
     assert llm.max_seq_len == want and llm.stats["max_seq_len"] == want
     with pytest.raises(ValueError, match="memory: max_batch=2, max_seq_len=1001"):

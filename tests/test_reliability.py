@@ -9,6 +9,7 @@ import pytest
 
 from helpers import assert_idle, tiny_checkpoint
 from nano_spec import LLM, SamplingParams
+from nano_spec.drafters.base import Checked
 
 PROMPTS = ["def f(x):", "for i in range(10):\n    print(i)\n", "h", "héllo wörld ✓", "x = 1\ny = 2\n" * 3]
 PARAMS = SamplingParams(max_new_tokens=12, ignore_eos=True)
@@ -116,7 +117,7 @@ def test_bad_checkpoints(ckpt, tmp_path):
 def test_no_unpickling_anywhere_in_the_engine():
     """Weights are read only through safetensors: no pickle, torch.load, eval or exec in the code."""
     root = Path(__file__).resolve().parent.parent
-    for f in list((root / "nano_spec").glob("*.py")) + list((root / "kernels" / "nano_spec_kernels").glob("*.py")):
+    for f in list((root / "nano_spec").rglob("*.py")) + list((root / "kernels" / "nano_spec_kernels").glob("*.py")):
         src = f.read_text()
         for banned in (r"torch\.load\(", r"import pickle", r"pickle\.loads?\(", r"(?<![\w.])eval\(", r"(?<![\w.])exec\(",
                        r"trust_remote_code"):
@@ -147,7 +148,8 @@ def test_fault_in_one_sequence_ends_only_it(ckpt, reference, monkeypatch, where,
     """A fault that belongs to one row: a draft id outside the vocabulary, or an exception in its admission."""
     llm = LLM(ckpt, proposer="mtp", num_drafts=3, max_batch=4)
     victim = {"seq": None}
-    if where == "proposer":  # an object of the caller's, so its ids are checked: it corrupts the victim's row
+    if where == "proposer":  # an object of the caller's, checked at the boundary as LLM(proposer=obj) wraps it:
+        # it corrupts the victim's row
         inner, bad = llm.proposer, llm.model.cfg.vocab_size if bad_id == "V" else bad_id
 
         class Corrupting:
@@ -160,7 +162,7 @@ def test_fault_in_one_sequence_ends_only_it(ckpt, reference, monkeypatch, where,
                     d.tokens[seqs.index(victim["seq"]), gamma - 1] = bad
                 return d
 
-        llm.runner.proposer = Corrupting()
+        llm.runner.proposer = Checked(Corrupting(), llm.model.cfg.vocab_size, "cpu")
     else:
         real_prefill = llm.model.prefill
 

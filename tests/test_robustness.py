@@ -11,7 +11,7 @@ import torch
 
 from helpers import assert_idle, tiny_checkpoint
 from nano_spec import LLM, SamplingParams
-from nano_spec.tokenizer import IncrementalDecoder
+from nano_spec.text.tokenizer import IncrementalDecoder
 
 PROMPTS = ["def f(x):", "for i in range(10):\n    print(i)\n", "h", "héllo wörld ✓", "x = 1\ny = 2\n" * 3]
 PARAMS = SamplingParams(max_new_tokens=12, ignore_eos=True)
@@ -291,17 +291,17 @@ def test_missing_tokenizer_is_reported_before_the_weights_are_read(ckpt, tmp_pat
     bad = write_config(ckpt, tmp_path / "notok")
     (bad / "tokenizer.json").unlink()
     read = []
-    monkeypatch.setattr("nano_spec.llm.load_model", lambda *a, **kw: read.append(1))
+    monkeypatch.setattr("nano_spec.engine.llm.load_model", lambda *a, **kw: read.append(1))
     with pytest.raises(ValueError, match="tokenizer.json"):
         LLM(bad)
     assert not read
 
 
 def test_memory_budget_counts_the_weights(ckpt):
-    from nano_spec.cache import cache_bytes
-    from nano_spec.config import ModelConfig
-    from nano_spec.capacity import weight_bytes
-    from nano_spec.proposers import MTPProposer
+    from nano_spec.model.cache import cache_bytes
+    from nano_spec.model.config import ModelConfig
+    from nano_spec.engine.capacity import weight_bytes
+    from nano_spec.drafters.mtp import MTPProposer
 
     cfg = ModelConfig.from_file(ckpt / "config.json")
     assert cfg.has_mtp  # the MTP proposer's KV rows count too

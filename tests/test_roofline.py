@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 
 from bench import roofline
-from bench.models import models
-from nano_spec.capacity import weight_bytes
+from bench.roofline import models
+from nano_spec.engine.capacity import weight_bytes
 from nano_spec_kernels import (attention_verify, commit_state, gated_rmsnorm, gather_rows, mamba_verify, rmsnorm,
                                verdict_greedy, verdict_sample)
 

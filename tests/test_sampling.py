@@ -13,12 +13,14 @@ import torch
 
 from helpers import tiny_model
 from nano_spec_kernels.verdict_sample import sampling_probs_ref
-from nano_spec import sampling as sampling_mod
-from nano_spec.dflash import DFlashConfig, DFlashDrafter
-from nano_spec.proposers import DFlashProposer, MTPProposer, NoProposer
-from nano_spec.runner import ModelRunner, cache_len
-from nano_spec.sampling import SamplingParams
-from nano_spec.scheduler import Scheduler
+from nano_spec.engine import sampling as sampling_mod
+from nano_spec.model.dflash import DFlashConfig, DFlashDrafter
+from nano_spec.drafters.base import NoProposer
+from nano_spec.drafters.dflash import DFlashProposer
+from nano_spec.drafters.mtp import MTPProposer
+from nano_spec.engine.runner import ModelRunner, cache_len
+from nano_spec.engine.sampling import SamplingParams
+from nano_spec.engine.scheduler import Scheduler
 
 V, N_REQ, PROMPT = 8, 2400, [3, 1, 4, 1, 5]
 PARAMS = dict(temperature=1.3, top_k=6, top_p=0.95)
@@ -125,7 +127,7 @@ def test_the_chi_square_test_catches_a_biased_verdict(model, joint, monkeypatch)
         padded = torch.cat([drafts, emitted[:, -1:]], 1)
         return na, torch.where(torch.arange(K) < na[:, None], padded, emitted.gather(1, na[:, None]))
 
-    monkeypatch.setattr("nano_spec.runner.accept_rule", accept_all)
+    monkeypatch.setattr("nano_spec.engine.runner.accept_rule", accept_all)
     samples, _ = sample(model, 3, 3)
     worst = max(chi2(c, p, len(samples))[0] / chi2_critical(chi2(c, p, len(samples))[1])
                 for c, p in marginals(samples, joint)[1:])

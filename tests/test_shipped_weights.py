@@ -5,9 +5,9 @@ import json
 import pytest
 
 from nano_spec import LLM, SamplingParams
-from nano_spec.config import ModelConfig
-from nano_spec.llm import shipped_weights
-from nano_spec.weights import load_model
+from nano_spec.model.config import ModelConfig
+from nano_spec.engine.settings import shipped_weights
+from nano_spec.model.model import load_model
 
 
 @pytest.fixture(scope="module")

@@ -129,7 +129,7 @@ def assert_grammar_accepts(llm, params, tokens):
 
 def test_padding_ids_are_never_allowed(ckpt):
     """A model vocabulary larger than the tokenizer's: the extra ids (embedding padding) stay masked."""
-    from nano_spec.grammar import Grammars
+    from nano_spec.text.grammar import Grammars
 
     llm = LLM(ckpt, proposer="none", num_drafts=0)
     n_tok = llm.tokenizer._tok.get_vocab_size()

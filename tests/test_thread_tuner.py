@@ -7,7 +7,7 @@ import torch
 
 from helpers import tiny_checkpoint
 from nano_spec import LLM, SamplingParams
-from nano_spec.threads import ThreadTuner
+from nano_spec.engine.threads import ThreadTuner
 
 SHAPES = [(1, 3), (1, 4), (1, 2), (1, 3), (1, 3), (1, 0)]  # (B, γ) as the planner varies γ
 
@@ -89,7 +89,7 @@ def clock_of(per_call):
 
 @pytest.mark.parametrize("machine, want", [("loaded", 1), ("idle", 2)])
 def test_engine_default_threads_follow_the_machine(ckpt, monkeypatch, machine, want):
-    monkeypatch.setattr("nano_spec.capacity.default_threads", lambda model, max_batch, device: 2)
+    monkeypatch.setattr("nano_spec.engine.llm.default_threads", lambda model, max_batch, device: 2)
     per_call = {"loaded": lambda n: 1e-3 * (13 if n > 1 else 1), "idle": lambda n: 1e-3 / (1.4 if n > 1 else 1)}
     before = torch.get_num_threads()
     try:

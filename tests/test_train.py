@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from nano_spec_kernels.mamba_scan import mamba_scan_ref
-from nano_spec.ssd import mamba_scan_chunked
+from nano_spec.model.ssd import mamba_scan_chunked
 from helpers import assert_close
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,8 +68,8 @@ def test_ssd_gradients_flow():
 
 def test_train_smoke(tmp_path):
     """A tiny run of scripts/train.py writes a checkpoint that loads, with a tokenizer and benchmark prompts."""
-    from nano_spec.tokenizer import Tokenizer
-    from nano_spec.weights import load_model
+    from nano_spec.text.tokenizer import Tokenizer
+    from nano_spec.model.model import load_model
 
     out = tmp_path / "ckpt"
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "train.py"), "--out", str(out), "--smoke"],
@@ -174,8 +174,8 @@ def writers(tmp_path):
     from tokenizers import Tokenizer
 
     from helpers import load_script, tiny_checkpoint, tiny_config, tiny_model
-    from nano_spec.dflash import DFlashConfig, DFlashDrafter
-    from nano_spec.ops import Ops
+    from nano_spec.model.dflash import DFlashConfig, DFlashDrafter
+    from nano_spec.model.ops import Ops
 
     base = tiny_checkpoint(tmp_path / "base", num_nextn_predict_layers=0)
     train, mtp, dflash = load_script("train"), load_script("train_mtp"), load_script("train_dflash")
@@ -332,11 +332,11 @@ def test_run_replaces_the_earlier_output_and_logs_its_threads(train_script, earl
 
 @pytest.mark.parametrize("name", ["train_mtp", "train_dflash"])
 def test_train_mtp_and_train_dflash_steps_run_on_the_engines_tuner(keep_threads, tmp_path, monkeypatch, name):
-    """--threads auto: every step runs on the thread count the engine's tuner (nano_spec/threads.py) picks, and the
+    """--threads auto: every step runs on the thread count the engine's tuner (nano_spec/engine/threads.py) picks, and the
     log's history says which. Step times are simulated (2 threads 13x slower, a loaded machine), so the tuner's picks
     are fixed: it stays on 1 thread and probes 2 once, at step 18 (after two segments of 8 timed steps)."""
     from helpers import load_script, tiny_checkpoint
-    from nano_spec.threads import ThreadTuner
+    from nano_spec.engine.threads import ThreadTuner
 
     observe = ThreadTuner.observe
     monkeypatch.setattr(ThreadTuner, "observe",

@@ -10,9 +10,9 @@ import torch
 from safetensors import safe_open
 
 from helpers import load_script, tiny_checkpoint
-from nano_spec.llm import LLM
-from nano_spec.sampling import SamplingParams
-from nano_spec.weights import load_model
+from nano_spec.engine.llm import LLM
+from nano_spec.engine.sampling import SamplingParams
+from nano_spec.model.model import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = "def f(x):\n    return x + 1\n\nfor i in range(10):\n    print(f(i))\n" * 40

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from helpers import assert_close
-from nano_spec.weights import load_model, save_model
+from nano_spec.model.weights import save_model
+from nano_spec.model.model import load_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -69,7 +70,7 @@ def test_our_save_loads_in_transformers(tmp_path):
 
 
 def test_shipped_weights_load_in_transformers():
-    from nano_spec.llm import shipped_weights
+    from nano_spec.engine.settings import shipped_weights
 
     ckpt = shipped_weights()
     hf = transformers.GraniteMoeHybridForCausalLM.from_pretrained(ckpt).eval()  # mtp.* are ignored there

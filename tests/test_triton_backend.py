@@ -4,8 +4,8 @@ import torch
 
 from helpers import assert_close, mtp_kv, tiny_checkpoint, tiny_model
 from nano_spec import LLM, SamplingParams
-from nano_spec.cache import HybridCache
-from nano_spec.ops import Ops
+from nano_spec.model.cache import HybridCache
+from nano_spec.model.ops import Ops
 
 pytest.importorskip("triton")
 

@@ -7,7 +7,7 @@ loads or stores, once); a linear reads its weight once and its input and output 
 elementwise ops between them (embedding, the MLP's silu * up, the logits' scaling and finiteness check) are
 counted the same way. A GPU run is held to these numbers: measured / predicted is the fraction of peak it reaches.
 
-The steps, as nano_spec/runner.py runs them, bf16 (the CUDA default) at B sequences, each with ctx cache rows:
+The steps, as nano_spec/engine/runner.py runs them, bf16 (the CUDA default) at B sequences, each with ctx cache rows:
   plain    proposer none, γ = 0: verify over K = 1 row, greedy verdict (and the finiteness check of the logits).
   γ = 3    an MTP head of the shipped weights' kind (one attention layer of the model's shape, eh_proj 2D -> D,
            the model's lm_head): 3 drafts (the head's logits 3 times, its layer twice), verify over K = 4 rows,
@@ -19,6 +19,8 @@ Launches are counted too: without CUDA graphs a launch costs a few us of host ti
 small model spends many times over its roofline.
 """
 import argparse
+import sys
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -33,10 +35,8 @@ from nano_spec_kernels.rmsnorm import rmsnorm_bytes
 from nano_spec_kernels.verdict_greedy import row_stats_meta, verdict_greedy_bytes
 from nano_spec_kernels.verdict_sample import verdict_sample_bytes
 
-try:
-    from tests.bench.models import models
-except ImportError:  # under pytest, tests/ itself is on sys.path
-    from bench.models import models
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))  # the published shapes
+from model_shapes import models  # noqa: E402
 
 N_SM = 132  # H200: the split counts of attention_verify and verdict_greedy
 TAU, CTX, TBS = 3.07, 1024, 4.8  # docs/BENCHMARKS.md: tau at γ = 3 on the shipped weights; H200 HBM3e

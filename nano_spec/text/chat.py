@@ -9,7 +9,7 @@ import json
 from datetime import datetime
 from pathlib import Path
 
-from nano_spec.tokenizer import special_token, tokenizer_config
+from nano_spec.text.tokenizer import special_token, tokenizer_config
 
 TEMPLATE_FILE = "chat_template.jinja"
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")

@@ -33,9 +33,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nano_spec.config import LIMITS, ModelConfig, is_finite, is_int
-from nano_spec.model import Norm  # a weight; the math is ops.rmsnorm, in fp32 as the target's
-from nano_spec.weights import load_tensors, tensor_index
+from nano_spec.model.config import LIMITS, ModelConfig, is_finite, is_int
+from nano_spec.model.ops import Norm  # a weight; the math is ops.rmsnorm, in fp32 as the target's
+from nano_spec.model.weights import load_tensors, tensor_index
 from nano_spec_kernels.common import apply_rope_ref
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import decoders
 
-from nano_spec.config import ModelConfig
+from nano_spec.model.config import ModelConfig
 
 
 class TokenizerError(ValueError):

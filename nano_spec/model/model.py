@@ -25,28 +25,22 @@ Entry points:
     mtp_prefill / mtp_step       the draft head over catch-up rows or single draft rows
 """
 import math
+from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from nano_spec_kernels.common import apply_rope_ref
-from nano_spec.cache import HybridCache
-from nano_spec.config import ModelConfig
-from nano_spec.ops import Ops
+from nano_spec.model.cache import HybridCache
+from nano_spec.model.config import ModelConfig
+from nano_spec.model.ops import Norm, Ops
+from nano_spec.model.weights import FLOAT_DTYPES, CheckpointError, load_tensors, tensor_index
 
 
 def in_major(w):
     """w (out, in) with its storage transposed: the same tensor values, the input dimension outermost."""
     return w.t().contiguous().t()
-
-
-class Norm(nn.Module):
-    """Holds an RMSNorm weight; the math is ops.rmsnorm / ops.gated_rmsnorm."""
-
-    def __init__(self, dim: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
 
 
 class MLP(nn.Module):
@@ -358,3 +352,19 @@ class HybridLM(nn.Module):
             else:
                 p.copy_(torch.empty(p.shape).normal_(0, std, generator=g))
         return self
+
+
+def load_model(path, device="cpu", dtype=torch.float32, backend: str = "torch") -> HybridLM:
+    """Build the model of path/config.json and fill it from its safetensors, converted to dtype on device."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a checkpoint directory")
+    if dtype not in FLOAT_DTYPES:
+        raise ValueError(f"dtype: {dtype} is not one of {FLOAT_DTYPES}")
+    cfg = ModelConfig.from_file(path / "config.json")
+    stored = tensor_index(path)
+    with torch.device("meta"):
+        model = HybridLM(cfg, Ops(backend))
+    if cfg.tie_word_embeddings:
+        stored.pop("lm_head.weight", None)  # some writers store the tied head too; it is the embedding
+    return load_tensors(model, path, stored, device, dtype)

@@ -13,8 +13,8 @@ wrong) ends that sequence; anything a runner call raises ends every sequence of 
 from collections import deque
 from dataclasses import dataclass, field
 
-from nano_spec.sampling import SamplingParams
-from nano_spec.tokenizer import IncrementalDecoder
+from nano_spec.engine.sampling import SamplingParams
+from nano_spec.text.tokenizer import IncrementalDecoder
 
 # Where an emitted token came from (docs/DESIGN.md §1)
 PREFILL, DRAFT, CORRECTION, BONUS = "prefill", "draft", "correction", "bonus"

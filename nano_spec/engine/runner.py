@@ -20,13 +20,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from nano_spec.cache import HybridCache, SlotIds
-from nano_spec.compiled import CompiledAcceptRule, Timed, compiled_verify
-from nano_spec.grammar import verify_bitmask
-from nano_spec.model import HybridLM
-from nano_spec.proposers import Drafts, VerifiedRows
-from nano_spec.sampling import BatchSampling, SamplingParams, accept_rule, token_logprobs
-from nano_spec.telemetry import Telemetry
+from nano_spec.model.cache import HybridCache, SlotIds, cache_len
+from nano_spec.engine.compiled import CompiledAcceptRule, Timed, compiled_verify
+from nano_spec.text.grammar import verify_bitmask
+from nano_spec.model.model import HybridLM
+from nano_spec.drafters.base import Drafts, VerifiedRows
+from nano_spec.engine.sampling import BatchSampling, SamplingParams, accept_rule, token_logprobs
+from nano_spec.engine.telemetry import Telemetry
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class ModelRunner:
         self.tel = telemetry or Telemetry(self.max_drafts)
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
-        self.taps = list(getattr(proposer, "taps", ()))  # layers whose rows the proposer reads (a block drafter)
+        self.taps = list(proposer.taps)  # layers whose rows the drafter reads (a block drafter)
         self.cache = HybridCache(self.cfg, num_slots, cache_len(max_seq_len, self.max_drafts), self.max_drafts + 1,
                                  self.device, self.dtype, self.taps)
         self.slot_ids = SlotIds(self.device)
@@ -86,7 +86,7 @@ class ModelRunner:
             self.seq_lens[seq.slot], self.last[seq.slot] = len(seq.tokens), first[0]
         if self.max_drafts:
             with self.tel.phase("catch_up"):
-                self.proposer.admit(seq, hidden, first, **({"taps": taps} if self.taps else {}))
+                self.proposer.admit(seq, hidden, first, taps)
         none, refused = self._no_drafts(1)
         return self._results(logits[:, None], first[:, None], none.nd, none, refused, [seq])[0]
 
@@ -101,8 +101,7 @@ class ModelRunner:
             with phase("propose"):
                 u = self._uniforms(seqs, gamma, sampling)  # draw "drafts"
                 drafts = self.proposer.draft(seqs, gamma, u)
-                if not getattr(self.proposer, "trusted", False):
-                    drafts, refused = self._checked(drafts, B, gamma)
+                refused = refused if drafts.refused is None else drafts.refused
         with phase("verify"):
             seq_lens = self.seq_lens[slots]
             rows = torch.cat([self.last[slots, None], drafts.tokens], dim=1) if gamma else self.last[slots, None]
@@ -154,23 +153,6 @@ class ModelRunner:
         u = torch.stack([torch.rand(n, generator=self.generators[s.slot], device=self.device) for s in seqs])
         return u if column is None else u[:, column]
 
-    def _checked(self, drafts: Drafts, B: int, gamma: int) -> tuple:
-        """The proposer's drafts at the boundary -> (drafts safe to verify, refused (B,)).
-
-        A wrong shape is the proposer's fault for the whole batch: the step fails. A draft id outside
-        [0, V) refuses only its row, checked on the device: the flag travels with the step's one copy and the
-        row is verified with no drafts meanwhile. Drafts made on another device (a host-side proposer on a
-        CUDA engine) are moved to the engine's."""
-        t, nd, q = (None if x is None else x.to(self.device) for x in (drafts.tokens, drafts.nd, drafts.probs))
-        if t.shape != (B, gamma) or nd.shape != (B,) or t.is_floating_point() or nd.is_floating_point() or (
-                q is not None and q.shape != (B, gamma, self.cfg.vocab_size)):
-            raise ValueError(f"proposer: drafts {tuple(t.shape)}, nd {tuple(nd.shape)}, probs "
-                             f"{None if q is None else tuple(q.shape)} for B={B}, γ={gamma}; expected integer "
-                             f"({B}, {gamma}), ({B},) and None or ({B}, {gamma}, {self.cfg.vocab_size})")
-        safe = t.clamp(0, self.cfg.vocab_size - 1)
-        refused = (safe != t).any(1)  # (B,)
-        return Drafts(safe, torch.where(refused, 0, nd.clamp(0, gamma)), q), refused
-
     def _q(self, drafts: Drafts, sampling: BatchSampling):
         """(B, γ, V) the distribution each draft was drawn from (one-hot for a deterministic proposer)."""
         if sampling.all_greedy or drafts.probs is not None:
@@ -197,8 +179,3 @@ class ModelRunner:
             out.append(RowResult(na=n, drafts=row[4 + K : 4 + K + nd], tokens=row[4 : 5 + n], logprobs=lp,
                                  error=error))
         return out
-
-
-def cache_len(max_seq_len: int, max_drafts: int) -> int:
-    """Rows per slot: past max_seq_len a verify writes K rows, and the MTP drafts γ more."""
-    return max_seq_len + 2 * (max_drafts + 1)

@@ -1,61 +1,26 @@
 """The Python API: LLM(...).generate(prompts, params), LLM(...).stream(prompt, params), and their chat forms
 LLM(...).chat(messages, params) and LLM(...).chat_stream(messages, params)."""
-import os
 import threading
 import time
 import weakref
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
-import torch
-
-from nano_spec import capacity, hub
-from nano_spec.chat import ChatTemplate, conversations
-from nano_spec.config import ModelConfig, is_int
-from nano_spec.dflash import DFlashConfig, load_drafter
-from nano_spec.grammar import Grammars
-from nano_spec.ops import resolve_backend
-from nano_spec.planner import DraftPlanner
-from nano_spec.proposers import make_proposer, resolve_proposer
-from nano_spec.runner import ModelRunner, cache_len
-from nano_spec.sampling import SamplingParams
-from nano_spec.scheduler import Scheduler
-from nano_spec.telemetry import Telemetry
-from nano_spec.threads import ThreadTuner
-from nano_spec.tokenizer import Tokenizer
-from nano_spec.weights import load_model, stored_dtype
-
-WEIGHTS_DIR = Path(__file__).resolve().parent.parent / "weights"
-DRAFTER_DIR = "dflash"  # a checkpoint's DFlash drafter, when it ships one
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
-
-
-def _device(device) -> torch.device:
-    """"auto", "cpu", "cuda" or "cuda:i" -> a device that can hold the weights."""
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError, ValueError):
-        raise ValueError(f"device: {device!r} is not a torch device") from None
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"device: {str(device)!r} cannot hold the weights; use 'cpu' or 'cuda'")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device: cuda requested but no CUDA device is available")
-    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        raise ValueError(f"device: {device} does not exist ({torch.cuda.device_count()} CUDA devices)")
-    return device
-
-
-def shipped_weights() -> Path:
-    """The checkpoint shipped in weights/ (the first directory there holding a config.json)."""
-    found = sorted(p.parent for p in WEIGHTS_DIR.glob("*/config.json"))
-    if not found:
-        raise ValueError(f"model: no checkpoint in {WEIGHTS_DIR}; pass model=<checkpoint directory>")
-    return found[0]
+from nano_spec.drafters.factory import make_drafter
+from nano_spec.engine import capacity
+from nano_spec.engine.planner import DraftPlanner
+from nano_spec.engine.runner import ModelRunner
+from nano_spec.engine.sampling import SamplingParams
+from nano_spec.engine.scheduler import Scheduler
+from nano_spec.engine.settings import EngineConfig
+from nano_spec.engine.telemetry import Telemetry
+from nano_spec.engine.threads import ThreadTuner, default_threads
+from nano_spec.model.config import is_int
+from nano_spec.model.model import load_model
+from nano_spec.text.chat import ChatTemplate, conversations
+from nano_spec.text.grammar import Grammars
+from nano_spec.text.tokenizer import Tokenizer
 
 
 @dataclass
@@ -72,92 +37,47 @@ class Output:
 
 
 class LLM:
+    """The engine. Its arguments are checked and resolved once, into `self.config` (nano_spec/engine/settings.py):
+
+    model         a checkpoint directory, or a Hugging Face model id ("org/name") from the local cache or
+                  downloaded (nano_spec/model/hub.py; a directory of that name wins); None: the shipped weights
+    proposer      the drafter: "auto", "mtp", "dflash", "ngram", "none", or an object with max_drafts, admit(),
+                  draft() and catch_up() (nano_spec/drafters/base.py)
+    num_drafts    γ for every step, or "auto": γ chosen per step (nano_spec/engine/planner.py) up to
+                  max_drafts = 4 (a DFlash block's Bk - 1)
+    drafter       the DFlash drafter's directory for proposer="dflash"; None: <checkpoint>/dflash/
+    threads       torch's intra-op threads, process-wide; None: one for a step too small to split, else chosen
+                  from measured steps (nano_spec/engine/threads.py), so busy cores do not stall the engine
+    compile       the step's hot calls through torch.compile, one graph per shape bucket, CUDA graphs on a GPU
+                  (backend 'torch'; nano_spec/engine/compiled.py, docs/DESIGN.md §12)
+    on_step       called with a StepReport after every engine step
+    backend, device, dtype, max_batch, max_seq_len, memory_budget: as named (None: chosen to fit)
+
+    Several threads may use one LLM at once (docs/DESIGN.md §4, "Several callers")."""
+
     def __init__(self, model=None, backend: str = "auto", device: str = "auto", dtype=None, max_batch: int = 8,
                  num_drafts: int | str = "auto", proposer="auto", max_seq_len: int | None = None,
                  memory_budget: int | None = None, threads: int | None = None, clock=time.perf_counter,
                  on_step=None, compile: bool = False, drafter=None):
-        """model: a checkpoint directory, or a Hugging Face model id ("org/name") found in the local cache or
-        downloaded (nano_spec/hub.py); a directory of that name wins. None: the shipped weights.
-        proposer: "auto", "mtp", "dflash", "ngram", "none", or an object with max_drafts, admit(), draft() and
-        catch_up() (nano_spec/proposers.py). num_drafts: γ for every step, or "auto": γ chosen per step
-        (nano_spec/planner.py) up to max_drafts = 4 (a DFlash block's Bk - 1).
-        drafter: the DFlash drafter directory for proposer="dflash"; None: <checkpoint>/dflash/.
-        threads: torch's intra-op threads, process-wide; None: one thread for a step too small to split
-        (`capacity.default_threads`), else chosen from measured steps between 1 and one per core
-        (nano_spec/threads.py), so a machine whose cores are busy does not stall the engine.
-        on_step: called with a StepReport after every engine step.
-        compile: run the step's hot calls through torch.compile, one graph per shape bucket, CUDA graphs on a
-        GPU (backend 'torch'; nano_spec/compiled.py, docs/DESIGN.md §12)."""
-        if model is not None and not isinstance(model, (str, os.PathLike)):
-            raise ValueError(f"model: expected a checkpoint directory path or a model id, got {type(model).__name__}")
-        if model is not None and not str(model).strip():  # as a path it is the working directory: nobody means that
-            raise ValueError("model: empty; expected a checkpoint directory or a Hugging Face model id (org/name)")
-        path = Path(model) if model is not None else shipped_weights()
-        device = _device(device)
-        dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
-        if dtype is not None and dtype not in DTYPES.values():
-            raise ValueError(f"dtype: {dtype!r} is not one of {sorted(DTYPES)} or their torch dtypes")
-        if not is_int(max_batch, 1, 1024):
-            raise ValueError(f"max_batch: {max_batch!r} must be an integer in [1, 1024]")
-        if memory_budget is not None and not is_int(memory_budget, 1):
-            raise ValueError(f"memory_budget: {memory_budget!r} must be a positive integer (bytes) or None")
-        if threads is not None and not is_int(threads, 1, capacity.MAX_THREADS):
-            raise ValueError(f"threads: {threads!r} must be None or an integer in [1, {capacity.MAX_THREADS}]")
-        if compile not in (True, False):
-            raise ValueError(f"compile: {compile!r} must be True or False")
-        # compiled, the graphs hold inductor's own kernels (Triton ones on CUDA): auto means the references
-        backend = resolve_backend("torch" if compile and backend == "auto" else backend, device)
-        if compile and backend != "torch":
-            raise ValueError(f"compile: needs backend='torch' or 'auto', not {backend!r} (inductor writes the "
-                             "compiled kernels; the hand-written Triton ones are not wrapped for it)")
-        if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError(f"backend: 'triton' on {device.type} needs the Triton interpreter "
-                             "(TRITON_INTERPRET=1 before the first import of the kernels); use backend='torch'")
-        # everything that can be refused is checked before the weights are read or caches allocated
-        if hub.is_model_id(model):
-            path = hub.resolve(model)
-        if not path.is_dir():
-            raise ValueError(f"model: {path} is not a checkpoint directory")
-        cfg = ModelConfig.from_file(path / "config.json")
-        self.tokenizer = Tokenizer(path, cfg)
-        self.chat_template = ChatTemplate(path)
-        self.grammars = Grammars(path / "tokenizer.json", cfg.vocab_size, self.tokenizer.eos_ids)
-        if drafter is not None and proposer != "dflash":
-            raise ValueError(f"drafter: is read only with proposer='dflash', not {proposer!r}")
-        drafter = Path(drafter) if drafter is not None else path / DRAFTER_DIR
-        dflash = None
-        if proposer == "dflash":
-            if not (drafter / "config.json").is_file():
-                raise ValueError(f"drafter: no DFlash drafter at {drafter} (a directory with config.json and "
-                                 "model.safetensors; scripts/train_dflash.py trains one)")
-            dflash = DFlashConfig.from_file(drafter / "config.json")
-            dflash.check(cfg)
-        kind, max_drafts = resolve_proposer(proposer, num_drafts, cfg.has_mtp, dflash and dflash.block_size)
-        if dtype is None:  # CUDA: the stored dtype (bf16 for hub checkpoints); CPU: fp32, see README
-            dtype = stored_dtype(path) if device.type == "cuda" else torch.float32
-        if max_seq_len is not None and not is_int(max_seq_len, 2):
-            raise ValueError(f"max_seq_len: {max_seq_len!r} must be an integer >= 2")
-        budget = int(0.9 * capacity.available_bytes(device)) if memory_budget is None else memory_budget
-        state = dflash if kind == "dflash" else kind  # the proposer state capacity counts
-        if max_seq_len is None:  # the largest that fits; only an explicit request is refused
-            max_seq_len = capacity.default_max_seq_len(cfg, max_batch, max_drafts, dtype, budget, state)
-        self.cache_bytes = capacity.check_memory(cfg, max_batch, max_seq_len, max_drafts, dtype, budget, state)
-        self.memory_budget = budget
-        self.model = load_model(path, device=device, dtype=dtype, backend=backend)
-        block_drafter = load_drafter(drafter, cfg, self.model.ops, device, dtype) if kind == "dflash" else None
-        # threads=None on a CPU: measured per step (nano_spec/threads.py), where a step is big enough to split
-        most = threads or capacity.default_threads(self.model, max_batch, device)
-        self.threads = ThreadTuner(most, tune=threads is None and device.type == "cpu")
+        c, self.cache_bytes = capacity.fit(EngineConfig.resolve(
+            model, backend, device, dtype, max_batch, num_drafts, proposer, max_seq_len, memory_budget, threads,
+            compile, drafter))
+        self.config, self.max_seq_len, self.memory_budget = c, c.max_seq_len, c.memory_budget
+        self.tokenizer = Tokenizer(c.path, c.cfg)  # checked before the weights are read
+        self.chat_template = ChatTemplate(c.path)
+        self.grammars = Grammars(c.path / "tokenizer.json", c.cfg.vocab_size, self.tokenizer.eos_ids)
+        self.model = load_model(c.path, device=c.device, dtype=c.dtype, backend=c.backend)
+        # threads=None on a CPU: measured per step (nano_spec/engine/threads.py), where a step is big enough to split
+        most = c.threads or default_threads(self.model, c.max_batch, c.device)
+        self.threads = ThreadTuner(most, tune=c.threads is None and c.device.type == "cpu")
         self.threads.apply()
-        self.max_seq_len = max_seq_len
-        self.proposer = make_proposer(kind, max_drafts, self.model, max_batch, cache_len(max_seq_len, max_drafts),
-                                      block_drafter)
-        self.telemetry = Telemetry(max_drafts, clock)
-        self.runner = ModelRunner(self.model, self.proposer, max_batch, max_seq_len, self.telemetry, compile)
+        self.proposer = make_drafter(c, self.model)
+        self.telemetry = Telemetry(c.max_drafts, clock)
+        self.runner = ModelRunner(self.model, self.proposer, c.max_batch, c.max_seq_len, self.telemetry, c.compile)
         # the prior cost of a draft, relative to a plain step: extra verify rows are far from free on a CPU
-        self.planner = (DraftPlanner(max_drafts, prior_slope=0.1 if device.type == "cuda" else 0.4)
-                        if num_drafts == "auto" and max_drafts else None)
-        self.scheduler = Scheduler(self.runner, self.tokenizer, max_seq_len, self.planner, self.threads)
+        self.planner = DraftPlanner(c.max_drafts, prior_slope=0.1 if c.device.type == "cuda" else 0.4) \
+            if c.auto else None
+        self.scheduler = Scheduler(self.runner, self.tokenizer, c.max_seq_len, self.planner, self.threads)
         self.on_step = on_step
         self._lock, self._owner, self._callers, self._cancelled = threading.Lock(), None, {}, deque()
 

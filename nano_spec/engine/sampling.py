@@ -11,7 +11,7 @@ import torch
 
 from nano_spec_kernels.verdict_greedy import unpack_bitmask
 from nano_spec_kernels.verdict_sample import sampling_probs_ref
-from nano_spec.config import is_int
+from nano_spec.model.config import is_int
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,7 @@ class SamplingParams:
     stop_token_ids: tuple = ()
     ignore_eos: bool = False
     logprobs: int = 0             # 0: none; n >= 1: each token's logprob and the top-n alternatives
-    json_schema: dict | str | None = None  # structured output (nano_spec/grammar.py): at most one of
+    json_schema: dict | str | None = None  # structured output (nano_spec/text/grammar.py): at most one of
     regex: str | None = None               # a JSON schema, a regular expression the whole output matches,
     grammar: str | None = None             # or a Lark grammar
 

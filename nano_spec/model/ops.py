@@ -11,8 +11,9 @@ Triton is optional: without it (macOS, Windows) the kernel modules still import
 `Ops("triton")` is refused with a ValueError.
 """
 import torch
+import torch.nn as nn
 
-from nano_spec.ssd import mamba_scan_chunked
+from nano_spec.model.ssd import mamba_scan_chunked
 from nano_spec_kernels import (attention_prefill, attention_verify, commit_state, gated_rmsnorm, gather_rows,
                                mamba_scan, mamba_verify, rmsnorm, verdict_greedy, verdict_sample)
 from nano_spec_kernels.common import HAS_TRITON
@@ -22,6 +23,15 @@ OP_NAMES = ("rmsnorm", "gated_rmsnorm", "mamba_scan", "mamba_verify", "commit_st
             "attention_verify", "attention_block", "gather_rows", "verdict_greedy", "verdict_sample")
 BACKENDS = ("auto", "torch", "triton")
 CHUNKED_FROM = 16  # below this many tokens the recurrence is the cheaper of the two on a CPU
+
+
+class Norm(nn.Module):
+    """Holds an RMSNorm weight; the math is ops.rmsnorm / ops.gated_rmsnorm (here, so the DFlash drafter's network
+    uses it without the target's model module)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
 
 
 def torch_prefill_scan(xBC, dt, *args):

@@ -1,4 +1,5 @@
-"""How many CPU threads a step runs on, chosen from measured steps.
+"""How many CPU threads a step runs on: one when a step is too small to split (default_threads), else chosen
+from measured steps (ThreadTuner).
 
 Two OpenMP threads on a machine whose other cores are busy can run a step 10-40x slower than one thread:
 every op ends in a barrier that waits for a peer the OS has descheduled. How busy the machine is cannot be
@@ -15,6 +16,7 @@ known from the work's size, and it changes while the engine runs. So the engine 
 
 It starts on one thread, the choice that cannot collapse. Plain host arithmetic; the caller applies the count.
 """
+import os
 from collections import Counter
 
 import torch
@@ -27,6 +29,17 @@ MAX_EVERY = 64
 STALL = 3.0
 COLLAPSE = 2.0  # a probe step this much slower than the current choice's ends the probe at once
 KEEP = 0.5  # weight of the old mean at each new step: a load that comes shows within two steps
+SPLIT_WORK = 32e6  # parameters x rows per step below which one CPU thread is faster (docs/BENCHMARKS.md, Threads)
+TORCH_THREADS = torch.get_num_threads()  # torch's own default (one per core), as found at import
+MAX_THREADS = 4 * (os.cpu_count() or 1)   # far past any gain; an absurd count (100000) crashes torch
+
+
+def default_threads(model, max_batch: int, device) -> int:
+    """1 on a CPU when a step's work (parameters x max_batch) is too small to split across cores,
+    else torch's default (one thread per core). Measured on the shipped 8M model: 1 thread wins at
+    batch 1, 2 threads at batch 8."""
+    work = sum(p.numel() for p in model.parameters()) * max_batch
+    return 1 if device.type == "cpu" and work < SPLIT_WORK else TORCH_THREADS
 
 
 class ThreadTuner:

@@ -21,7 +21,7 @@ step's (B, K), so every view is contiguous. A proposer keeps its own state
 """
 import torch
 
-from nano_spec.config import ModelConfig
+from nano_spec.model.config import ModelConfig
 
 
 def cache_bytes(cfg: ModelConfig, num_slots: int, max_seq_len: int, max_k: int, dtype: torch.dtype,
@@ -96,3 +96,8 @@ class SlotIds:
         if key != self.key:
             self.key, self.ids = key, torch.tensor(key, dtype=torch.long, device=self.device)
         return self.ids
+
+
+def cache_len(max_seq_len: int, max_drafts: int) -> int:
+    """Rows per slot: past max_seq_len a verify writes K rows, and the MTP drafts γ more."""
+    return max_seq_len + 2 * (max_drafts + 1)

@@ -1,4 +1,5 @@
-"""Checkpoint loading and saving: config.json + safetensors, never pickle.
+"""Checkpoint tensors in and out: config.json + safetensors, never pickle (model.load_model builds the model and
+fills it through load_tensors).
 
 A checkpoint directory holds config.json and either model.safetensors or a sharded
 model.safetensors.index.json (the layout transformers writes), and optionally
@@ -17,10 +18,6 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
-
-from nano_spec.config import ModelConfig
-from nano_spec.model import HybridLM
-from nano_spec.ops import Ops
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 STORED_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}  # safetensors dtype names
@@ -101,22 +98,6 @@ def stored_dtype(path) -> torch.dtype:
     return STORED_DTYPES[max(count, key=count.get)] if count else torch.float32
 
 
-def load_model(path, device="cpu", dtype=torch.float32, backend: str = "torch") -> HybridLM:
-    """Build the model of path/config.json and fill it from its safetensors, converted to dtype on device."""
-    path = Path(path)
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: not a checkpoint directory")
-    if dtype not in FLOAT_DTYPES:
-        raise ValueError(f"dtype: {dtype} is not one of {FLOAT_DTYPES}")
-    cfg = ModelConfig.from_file(path / "config.json")
-    stored = tensor_index(path)
-    with torch.device("meta"):
-        model = HybridLM(cfg, Ops(backend))
-    if cfg.tie_word_embeddings:
-        stored.pop("lm_head.weight", None)  # some writers store the tied head too; it is the embedding
-    return load_tensors(model, path, stored, device, dtype)
-
-
 def load_tensors(module, path: Path, stored: dict, device, dtype):
     """Fill a module built on the meta device from the tensors of tensor_index(path), strictly: every
     parameter exactly once with its shape, nothing else."""
@@ -142,7 +123,7 @@ def load_tensors(module, path: Path, stored: dict, device, dtype):
 
 def write_model(model, directory):
     """Write config.json (model.cfg.to_dict()) + model.safetensors into an existing directory: a HybridLM, or a
-    drafter (nano_spec/dflash.py). For a caller that swaps the directory in itself (scripts/train.py replace_dir)."""
+    drafter (nano_spec/model/dflash.py). For a caller that swaps the directory in itself (scripts/train.py replace_dir)."""
     directory = Path(directory)
     (directory / "config.json").write_text(json.dumps(model.cfg.to_dict(), indent=2) + "\n", encoding="utf-8")
     state = {n: t.detach().contiguous().cpu() for n, t in model.state_dict().items()}

@@ -23,8 +23,8 @@ import time
 import torch
 from torch import Tensor
 
-from nano_spec.cache import HybridCache
-from nano_spec.sampling import accept_rule
+from nano_spec.model.cache import HybridCache
+from nano_spec.engine.sampling import accept_rule
 from nano_spec_kernels.common import apply_rope_ref, conv_silu_ref, mamba_dt_ref, split_xbc
 
 

@@ -1,13 +1,14 @@
 """The model shapes the kernels are checked and predicted at: the shipped weights and Granite 4.0-H 350m and 1b.
 
 The Granite configs are the published field sets (the 1b by its shapes: hidden 1536, 40 layers, Mamba head dim 64).
-tests/test_real_shapes.py builds its checkpoint from them; here only the shapes matter, no weights are read.
+tests/test_real_shapes.py builds its checkpoint from them; scripts/compile_check.py and the roofline read only
+the shapes, no weights.
 """
 from pathlib import Path
 
-from nano_spec.config import ModelConfig
+from nano_spec.model.config import ModelConfig
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "weights" / "stdlib-hybrid-8m" / "config.json"
 
 

@@ -1,0 +1,82 @@
+"""A block drafter as a drafter (docs/DESIGN.md §13): one forward over [last token, MASK...] reading the target's
+tapped layers drafts a whole block; the verify takes γ of it. Its network is nano_spec/model/dflash.py."""
+import torch
+
+from nano_spec.drafters.base import pick_in_order
+from nano_spec.engine.sampling import BatchSampling, SamplingParams
+from nano_spec.model.cache import SlotIds
+from nano_spec.model.dflash import DFlashConfig, DFlashDrafter
+
+
+class DFlashProposer:
+    """Drafts with a DFlashDrafter. Its state per slot: the context K/V of every drafter layer at the
+    committed positions, the last emitted token (the block's row 0) and the context length."""
+
+    def __init__(self, drafter: DFlashDrafter, target, max_drafts: int, num_slots: int, max_len: int):
+        cfg, p = drafter.cfg, next(target.parameters())  # max_drafts <= Bk - 1: checked in settings
+        self.drafter, self.target, self.max_drafts = drafter, target, max_drafts
+        self.taps = tuple(cfg.target_layer_ids)  # the runner stashes these layers' rows for catch_up
+        shape = (cfg.num_hidden_layers, num_slots, max_len, cfg.num_key_value_heads, cfg.head_dim)
+        self.k = torch.zeros(shape, device=p.device, dtype=p.dtype)  # (Ld, S, L, Hkv, Dh), RoPE-rotated
+        self.v = torch.zeros_like(self.k)
+        self.last = torch.zeros(num_slots, dtype=torch.long, device=p.device)     # (S,) the block's row 0
+        self.ctx_len = torch.zeros(num_slots, dtype=torch.long, device=p.device)  # (S,) context rows stored
+        self.sampling = BatchSampling.of([SamplingParams()] * num_slots, p.device)
+        self.slot_ids = SlotIds(p.device)
+        self.mask_row = torch.full((cfg.block_size - 1,), cfg.mask_token_id, dtype=torch.long, device=p.device)
+        self.compiled = None  # a Bucketed block forward, once compile() has run
+
+    @staticmethod
+    def state_bytes(cfg: DFlashConfig, num_slots: int, max_len: int, dtype) -> int:
+        """Bytes of the context K/V, before anything is allocated."""
+        return 2 * cfg.num_hidden_layers * num_slots * max_len * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
+
+    def _store(self, slots, taps, positions):
+        """Context K/V of rows taps (B, T, nT*D) at positions (B, T) into slots (B,)."""
+        c = self.drafter.context(taps)
+        for i in range(len(self.drafter.layers)):
+            k, v = self.drafter.context_kv(i, c, positions)
+            self.k[i, slots[:, None], positions], self.v[i, slots[:, None], positions] = k, v
+
+    def admit(self, seq, hidden, first, taps):
+        """The bootstrap: every prompt row's context K/V, so the first block already sees the whole prompt."""
+        T = taps.shape[0]
+        slot = torch.tensor([seq.slot], device=taps.device)
+        self._store(slot, taps[None], torch.arange(T, device=taps.device)[None])
+        self.last[seq.slot], self.ctx_len[seq.slot] = first[0], T
+        self.sampling.write(seq.slot, BatchSampling.of([seq.params], taps.device))
+
+    def catch_up(self, seqs, rows, na):
+        """Context K/V of the verified rows at positions seq_len + j; rows past na lie beyond the new context
+        length and are overwritten later. The block's row 0 becomes the token emitted after row na."""
+        K = rows.tokens.shape[1]
+        self._store(rows.slots, rows.taps, rows.seq_lens[:, None] + torch.arange(K, device=na.device))
+        self.last[rows.slots] = rows.tokens.gather(1, na[:, None])[:, 0]
+        self.ctx_len[rows.slots] = rows.seq_lens + na + 1
+
+    def draft(self, seqs, gamma, uniforms):
+        """One block forward; rows 1 .. γ are the drafts (the rest of the block is dropped). A constrained row
+        picks draft j under its grammar's mask after drafts[:j], from the same forward's logits."""
+        slots = self.slot_ids(seqs)
+        kv_len = max(s.seq_len for s in seqs)  # context rows read: the longest context
+        if self.compiled is None:
+            logits = self._block(slots, gamma, kv_len)
+        else:
+            logits = self.compiled(slots, gamma, kv_len=kv_len)[0]
+        return pick_in_order(seqs, slots, self.sampling, gamma, uniforms, lambda i, prev: logits[:, i])
+
+    def _block(self, slots, gamma: int, kv_len: int):
+        """The block forward of slots (B,) -> the logits of drafts 1 .. γ (B, γ, V)."""
+        cfg = self.drafter.cfg
+        ids = torch.cat([self.last[slots, None], self.mask_row.expand(len(slots), -1)], dim=1)  # (B, Bk)
+        x = self.target.model.embed_tokens(ids) * cfg.input_embedding_scale
+        h = self.drafter.draft_hidden(x, slots, self.ctx_len[slots], self.k[:, :, :kv_len], self.v[:, :, :kv_len])
+        return self.target.logits(h[:, 1 : gamma + 1]) * (cfg.output_multiplier * self.target.cfg.logits_scaling)
+
+    def compile(self):
+        """The block forward per bucket (the catch-up's context K/V writes stay eager)."""
+        from nano_spec.engine.compiled import Bucketed, static_buffers
+
+        static_buffers(self.k, self.v, self.last, self.ctx_len)
+        S, L = self.k.shape[1:3]
+        self.compiled = Bucketed(self._block, 1, S, L, self.max_drafts, self.k.device)

@@ -1,0 +1,2 @@
+"""The engine: the LLM API, the scheduler loop, the model runner and what they decide with (sampling, γ, threads,
+memory, the compiled step)."""

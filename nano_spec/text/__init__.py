@@ -1,0 +1,1 @@
+"""Text in and out: the tokenizer, grammar masks for structured output, chat templates."""

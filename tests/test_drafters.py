@@ -1,0 +1,74 @@
+"""One drafter interface (nano_spec/drafters/base.py): the built-ins have every member of `Drafter`, and an outside
+object is wrapped once, at LLM(proposer=...), in `Checked`, which hands its taps to the runner and checks its
+drafts; the step calls nothing else."""
+import inspect
+
+import pytest
+import torch
+
+from helpers import tiny_checkpoint
+from nano_spec.drafters.base import Checked, Drafter, Drafts, NoProposer
+from nano_spec.drafters.dflash import DFlashProposer
+from nano_spec.drafters.mtp import MTPProposer
+from nano_spec.drafters.ngram import NgramProposer
+from nano_spec.engine.llm import LLM
+from nano_spec.engine.sampling import SamplingParams
+
+PARAMS = SamplingParams(max_new_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory.mktemp("drafters") / "tiny", seed=4)
+
+
+@pytest.mark.parametrize("cls", [NoProposer, NgramProposer, MTPProposer, DFlashProposer, Checked],
+                         ids=lambda c: c.__name__)
+def test_every_drafter_has_the_members_of_the_protocol(cls):
+    for name in ("admit", "draft", "catch_up"):
+        want = list(inspect.signature(getattr(Drafter, name)).parameters)
+        if cls is not NoProposer:  # plain decoding: max_drafts 0, so the runner calls none of them
+            assert list(inspect.signature(getattr(cls, name)).parameters)[: len(want)] == want, name
+    if cls is not Checked:  # the outside drafter's state is its own
+        assert cls.state_bytes(None if cls in (NoProposer, NgramProposer) else _cfg(cls), 2, 8, torch.float32) >= 0
+
+
+def _cfg(cls):
+    from helpers import tiny_config
+    from nano_spec.model.dflash import DFlashConfig
+
+    target = tiny_config()
+    if cls is MTPProposer:
+        return target
+    return DFlashConfig.for_target(target, num_layers=1, block_size=4, taps=[1, 3])
+
+class Outside:
+    """A drafter of the three methods only (admit without taps), or, with taps, one that reads target layers."""
+
+    def __init__(self, taps=None):
+        self.max_drafts, self.admitted, self.caught_up = 2, [], []
+        if taps is not None:
+            self.taps = taps
+
+    def admit(self, seq, hidden, first, **kw):
+        self.admitted.append(kw.get("taps"))
+
+    def draft(self, seqs, gamma, uniforms):
+        return Drafts.from_lists([[3, 5][:gamma] for _ in seqs], gamma, "cpu")
+
+    def catch_up(self, seqs, rows, na):
+        self.caught_up.append(rows.taps)
+
+
+@pytest.mark.parametrize("taps", [None, (1, 3)], ids=["no-taps", "taps"])
+def test_an_outside_drafter_is_wrapped_once_and_gets_what_it_asked_for(ckpt, taps):
+    outside = Outside(taps)
+    llm = LLM(ckpt, proposer=outside, num_drafts=2, max_batch=2)
+    assert isinstance(llm.proposer, Checked) and llm.proposer.inner is outside and llm.runner.proposer is llm.proposer
+    out = llm.generate(["def f(x):", "x = 1"], PARAMS)
+    plain = LLM(ckpt, proposer="none", max_batch=2).generate(["def f(x):", "x = 1"], PARAMS)
+    assert [o.token_ids for o in out] == [o.token_ids for o in plain]  # lossless whatever it drafts
+    if taps is None:
+        assert outside.admitted == [None, None] and set(outside.caught_up) == {None}
+    else:  # the prompt rows' and each verify's tapped layers: nT * D wide
+        assert all(t.shape[-1] == len(taps) * llm.model.cfg.hidden_size for t in outside.admitted + outside.caught_up)
