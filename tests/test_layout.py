@@ -70,3 +70,16 @@ def test_scripts_import_nothing_from_tests():
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             assert not any(n == "tests" or n.startswith(("tests.", "bench.", "helpers")) for n in names), path
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "kernels" / "nano_spec_kernels").glob("*.py")),
+                         ids=lambda p: p.name)
+def test_kernel_files_read_reference_then_kernel_then_launcher(path):
+    """The math (the docstring), the torch `_ref`, the Triton kernel, then the launcher."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    defs = [n for n in tree.body if isinstance(n, ast.FunctionDef)]
+    jit = [n.lineno for n in defs if any("triton.jit" in ast.unparse(d) for d in n.decorator_list)]
+    refs = [n.lineno for n in defs if n.name.endswith("_ref")]
+    if jit and refs:
+        assert ast.get_docstring(tree) and max(refs) < min(jit), path.name
+

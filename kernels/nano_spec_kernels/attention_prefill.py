@@ -25,6 +25,21 @@ _ARGS = {"q": Arg("T Hq Dh", DOT, ROW), "k, v": Arg("T Hkv Dh", "q", ROW),
          "k_cache, v_cache": Arg("S L Hkv Dh", "q", ROW)}
 
 
+def attention_prefill_ref(q, k, v, k_cache, v_cache, slot: int, scale: float, rope_theta=None):
+    """q (T, Hq, Dh), k, v (T, Hkv, Dh); k_cache, v_cache (S, L, Hkv, Dh) of one layer.
+    Writes rows 0..T-1 of the slot; returns o (T, Hq, Dh) in q's dtype."""
+    T, rep = q.shape[0], q.shape[1] // k.shape[1]  # rep query heads per KV head
+    pos = torch.arange(T, device=q.device)
+    q = apply_rope_ref(q, pos, rope_theta)
+    k_cache[slot, :T] = apply_rope_ref(k, pos, rope_theta)  # k is cached rotated
+    v_cache[slot, :T] = v
+    kf = k_cache[slot, :T].float().repeat_interleave(rep, dim=1)  # (T, Hq, Dh)
+    vf = v_cache[slot, :T].float().repeat_interleave(rep, dim=1)
+    s = torch.einsum("qhd,khd->hqk", q.float(), kf) * scale  # (Hq, T, T)
+    s = s.masked_fill(~torch.ones(T, T, dtype=torch.bool, device=q.device).tril(), float("-inf"))
+    return torch.einsum("hqk,khd->qhd", s.softmax(-1), vf).to(q.dtype)
+
+
 @triton.jit
 def _rope_store_kernel(
     p_k, p_v, p_kc, p_vc, p_inv_freq,
@@ -142,18 +157,3 @@ def attention_prefill(q, k, v, k_cache, v_cache, slot: int, scale: float, rope_t
                                          cuda=q.is_cuda, n_sm=sm_count(q.device))
     run(launches)
     return o
-
-
-def attention_prefill_ref(q, k, v, k_cache, v_cache, slot: int, scale: float, rope_theta=None):
-    """q (T, Hq, Dh), k, v (T, Hkv, Dh); k_cache, v_cache (S, L, Hkv, Dh) of one layer.
-    Writes rows 0..T-1 of the slot; returns o (T, Hq, Dh) in q's dtype."""
-    T, rep = q.shape[0], q.shape[1] // k.shape[1]  # rep query heads per KV head
-    pos = torch.arange(T, device=q.device)
-    q = apply_rope_ref(q, pos, rope_theta)
-    k_cache[slot, :T] = apply_rope_ref(k, pos, rope_theta)  # k is cached rotated
-    v_cache[slot, :T] = v
-    kf = k_cache[slot, :T].float().repeat_interleave(rep, dim=1)  # (T, Hq, Dh)
-    vf = v_cache[slot, :T].float().repeat_interleave(rep, dim=1)
-    s = torch.einsum("qhd,khd->hqk", q.float(), kf) * scale  # (Hq, T, T)
-    s = s.masked_fill(~torch.ones(T, T, dtype=torch.bool, device=q.device).tril(), float("-inf"))
-    return torch.einsum("hqk,khd->qhd", s.softmax(-1), vf).to(q.dtype)

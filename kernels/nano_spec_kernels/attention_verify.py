@@ -36,6 +36,44 @@ _BLOCK_ARGS = {"q": Arg("B Kb Hq Dh", DOT, ROW), "k, v": Arg("B Kb Hkv Dh", "q",
                "k_cache, v_cache": Arg("S L Hkv Dh", "q", ROW), "slot_ids, ctx_lens": Arg("B", INT)}
 
 
+def attention_verify_ref(q, k, v, k_cache, v_cache, slot_ids, seq_lens, scale: float, rope_theta=None):
+    """q (B, K, Hq, Dh), k, v (B, K, Hkv, Dh); k_cache, v_cache (S, L, Hkv, Dh) of one layer;
+    slot_ids, seq_lens (B,). Writes cache rows seq_lens[b] .. +K-1; returns o (B, K, Hq, Dh).
+    Only the first L cache rows are read, so a caller may pass a view cut to max(seq_lens) + K."""
+    K, L = q.shape[1], k_cache.shape[1]
+    rep = q.shape[2] // k.shape[2]  # query heads per KV head
+    pos = seq_lens[:, None] + torch.arange(K, device=q.device)  # (B, K)
+    q = apply_rope_ref(q, pos, rope_theta)
+    k_cache[slot_ids[:, None], pos] = apply_rope_ref(k, pos, rope_theta)  # k is cached rotated
+    v_cache[slot_ids[:, None], pos] = v
+    kf = k_cache[slot_ids].float().repeat_interleave(rep, dim=2)  # (B, L, Hq, Dh)
+    vf = v_cache[slot_ids].float().repeat_interleave(rep, dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q.float(), kf) * scale  # (B, Hq, K, L)
+    visible = torch.arange(L, device=q.device)[None, None, :] <= pos[:, :, None]  # (B, K, L)
+    s = s.masked_fill(~visible[:, None], float("-inf"))
+    return torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), vf).to(q.dtype)
+
+
+def attention_block_ref(q, k, v, k_cache, v_cache, slot_ids, ctx_lens, scale: float, rope_theta=None):
+    """q (B, Kb, Hq, Dh), k, v (B, Kb, Hkv, Dh): a block of rows at positions ctx_lens[b] + j, rotated here;
+    k_cache, v_cache (S, L, Hkv, Dh) of one layer, rows [0, ctx_lens[b]) of slot slot_ids[b] visible, already
+    rotated, never written. Every block row attends to those cache rows and to all Kb block rows (non-causal).
+    Returns o (B, Kb, Hq, Dh)."""
+    Kb, L = q.shape[1], k_cache.shape[1]
+    rep = q.shape[2] // k.shape[2]  # query heads per KV head
+    pos = ctx_lens[:, None] + torch.arange(Kb, device=q.device)  # (B, Kb)
+    q = apply_rope_ref(q, pos, rope_theta)
+    keys = torch.cat((k_cache[slot_ids], apply_rope_ref(k, pos, rope_theta)), 1)  # (B, L + Kb, Hkv, Dh)
+    vals = torch.cat((v_cache[slot_ids], v), 1)
+    kf = keys.float().repeat_interleave(rep, dim=2)  # (B, L + Kb, Hq, Dh)
+    vf = vals.float().repeat_interleave(rep, dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q.float(), kf) * scale  # (B, Hq, Kb, L + Kb)
+    n = torch.arange(L + Kb, device=q.device)
+    visible = (n[None, :] < ctx_lens[:, None]) | (n[None, :] >= L)  # (B, L + Kb): the context, then the block
+    s = s.masked_fill(~visible[:, None, None], float("-inf"))
+    return torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), vf).to(q.dtype)
+
+
 @triton.jit
 def _verify_attention_kernel(
     p_q, p_k, p_v, p_kc, p_vc, p_slot, p_len, p_o, p_mpart, p_lpart, p_opart, p_inv_freq,
@@ -262,41 +300,3 @@ def attention_verify_bytes(B: int, K: int, Hq: int, Hkv: int, Dh: int, ctx: int,
     if splits > 1:  # (m, l, acc) of every split, written by the splits and read by _combine_kernel
         out["partials written"] = out["partials read"] = B * K * Hq * splits * (2 + max(16, next_pow2(Dh))) * 4
     return out
-
-
-def attention_verify_ref(q, k, v, k_cache, v_cache, slot_ids, seq_lens, scale: float, rope_theta=None):
-    """q (B, K, Hq, Dh), k, v (B, K, Hkv, Dh); k_cache, v_cache (S, L, Hkv, Dh) of one layer;
-    slot_ids, seq_lens (B,). Writes cache rows seq_lens[b] .. +K-1; returns o (B, K, Hq, Dh).
-    Only the first L cache rows are read, so a caller may pass a view cut to max(seq_lens) + K."""
-    K, L = q.shape[1], k_cache.shape[1]
-    rep = q.shape[2] // k.shape[2]  # query heads per KV head
-    pos = seq_lens[:, None] + torch.arange(K, device=q.device)  # (B, K)
-    q = apply_rope_ref(q, pos, rope_theta)
-    k_cache[slot_ids[:, None], pos] = apply_rope_ref(k, pos, rope_theta)  # k is cached rotated
-    v_cache[slot_ids[:, None], pos] = v
-    kf = k_cache[slot_ids].float().repeat_interleave(rep, dim=2)  # (B, L, Hq, Dh)
-    vf = v_cache[slot_ids].float().repeat_interleave(rep, dim=2)
-    s = torch.einsum("bqhd,bkhd->bhqk", q.float(), kf) * scale  # (B, Hq, K, L)
-    visible = torch.arange(L, device=q.device)[None, None, :] <= pos[:, :, None]  # (B, K, L)
-    s = s.masked_fill(~visible[:, None], float("-inf"))
-    return torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), vf).to(q.dtype)
-
-
-def attention_block_ref(q, k, v, k_cache, v_cache, slot_ids, ctx_lens, scale: float, rope_theta=None):
-    """q (B, Kb, Hq, Dh), k, v (B, Kb, Hkv, Dh): a block of rows at positions ctx_lens[b] + j, rotated here;
-    k_cache, v_cache (S, L, Hkv, Dh) of one layer, rows [0, ctx_lens[b]) of slot slot_ids[b] visible, already
-    rotated, never written. Every block row attends to those cache rows and to all Kb block rows (non-causal).
-    Returns o (B, Kb, Hq, Dh)."""
-    Kb, L = q.shape[1], k_cache.shape[1]
-    rep = q.shape[2] // k.shape[2]  # query heads per KV head
-    pos = ctx_lens[:, None] + torch.arange(Kb, device=q.device)  # (B, Kb)
-    q = apply_rope_ref(q, pos, rope_theta)
-    keys = torch.cat((k_cache[slot_ids], apply_rope_ref(k, pos, rope_theta)), 1)  # (B, L + Kb, Hkv, Dh)
-    vals = torch.cat((v_cache[slot_ids], v), 1)
-    kf = keys.float().repeat_interleave(rep, dim=2)  # (B, L + Kb, Hq, Dh)
-    vf = vals.float().repeat_interleave(rep, dim=2)
-    s = torch.einsum("bqhd,bkhd->bhqk", q.float(), kf) * scale  # (B, Hq, Kb, L + Kb)
-    n = torch.arange(L + Kb, device=q.device)
-    visible = (n[None, :] < ctx_lens[:, None]) | (n[None, :] >= L)  # (B, L + Kb): the context, then the block
-    s = s.masked_fill(~visible[:, None, None], float("-inf"))
-    return torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), vf).to(q.dtype)

@@ -24,6 +24,21 @@ _ARGS = {
 }
 
 
+def commit_state_ref(ssm_state, conv_state, ssm_stash, conv_stash, slot_ids, na, active):
+    """ssm_state (L, S, H, P, N), conv_state (L, S, C, W-1), ssm_stash (L, B, K, H, P, N),
+    conv_stash (L, B, C, W-1+K), slot_ids, na (B,) int, active (B,) bool. In place, only the rows
+    that move: finding them (nonzero) waits for the device, which costs nothing on the CPU path."""
+    K, Wm1 = ssm_stash.shape[2], conv_state.shape[-1]
+    rows = (active & (na < K - 1)).nonzero()[:, 0]  # (R,) batch positions that rejected a draft
+    if rows.numel() == 0:
+        return
+    slots, n = slot_ids[rows], na[rows]
+    ssm_state[:, slots] = ssm_stash[:, rows, n]  # (L, R, H, P, N): the state after row na
+    cols = n[:, None] + 1 + torch.arange(Wm1, device=na.device)  # (R, W-1): the window after row na
+    idx = cols[None, :, None, :].expand(conv_stash.shape[0], -1, conv_stash.shape[2], -1)
+    conv_state[:, slots] = conv_stash[:, rows].gather(-1, idx)
+
+
 @triton.jit
 def _commit_state_kernel(p_ssm_state, p_conv_state, p_ssm_stash, p_conv_stash, p_slot, p_na, p_active,
                          Bsz, S, K, HPN, C,
@@ -88,18 +103,3 @@ def commit_state_bytes(L: int, B: int, K: int, H: int, P: int, N: int, C: int, W
     return {"slot_ids, na, active": B * (8 + 8 + 1),
             "ssm_stash read": L * rows * H * P * N * 4, "ssm_state written": L * rows * H * P * N * 4,
             "conv_stash read": L * rows * C * (W - 1) * act, "conv_state written": L * rows * C * (W - 1) * act}
-
-
-def commit_state_ref(ssm_state, conv_state, ssm_stash, conv_stash, slot_ids, na, active):
-    """ssm_state (L, S, H, P, N), conv_state (L, S, C, W-1), ssm_stash (L, B, K, H, P, N),
-    conv_stash (L, B, C, W-1+K), slot_ids, na (B,) int, active (B,) bool. In place, only the rows
-    that move: finding them (nonzero) waits for the device, which costs nothing on the CPU path."""
-    K, Wm1 = ssm_stash.shape[2], conv_state.shape[-1]
-    rows = (active & (na < K - 1)).nonzero()[:, 0]  # (R,) batch positions that rejected a draft
-    if rows.numel() == 0:
-        return
-    slots, n = slot_ids[rows], na[rows]
-    ssm_state[:, slots] = ssm_stash[:, rows, n]  # (L, R, H, P, N): the state after row na
-    cols = n[:, None] + 1 + torch.arange(Wm1, device=na.device)  # (R, W-1): the window after row na
-    idx = cols[None, :, None, :].expand(conv_stash.shape[0], -1, conv_stash.shape[2], -1)
-    conv_state[:, slots] = conv_stash[:, rows].gather(-1, idx)

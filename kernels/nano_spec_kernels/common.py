@@ -173,6 +173,61 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def apply_rope_ref(x: torch.Tensor, positions: torch.Tensor, theta: float | None) -> torch.Tensor:
+    """Rotate x (..., T, heads, Dh) by positions (..., T); identity when theta is None (NoPE).
+    Rotate-half RoPE, for d < Dh/2 with f_d = theta^(-2d/Dh):
+
+        x'[d]        = x[d] cos(t f_d) - x[d + Dh/2] sin(t f_d)
+        x'[d + Dh/2] = x[d + Dh/2] cos(t f_d) + x[d] sin(t f_d)
+    """
+    if theta is None:
+        return x
+    inv_freq = rope_inv_freq(x.shape[-1], theta, positions.device)  # (Dh/2,)
+    freqs = positions.float()[..., None, None] * inv_freq  # (..., T, 1, Dh/2): broadcast over heads
+    angle = torch.cat((freqs, freqs), dim=-1)  # (..., T, 1, Dh), rotate-half layout
+    xf = x.float()
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
+    return (xf * angle.cos() + rotated * angle.sin()).to(x.dtype)
+
+
+def mamba_dt_ref(dt: torch.Tensor, dt_bias: torch.Tensor, dt_limit: tuple[float, float]) -> torch.Tensor:
+    """dt = clamp(softplus(dt + dt_bias), *dt_limit) in fp32; dt (..., H)."""
+    return F.softplus(dt.float() + dt_bias.float()).clamp(min=dt_limit[0], max=dt_limit[1])
+
+
+def conv_silu_ref(window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """Causal depthwise conv1d + SiLU: window (..., C, W-1+L), the W-1 inputs before the first
+    output then the L new ones; weight (C, W), bias (C,) or None -> (..., L, C) in fp32."""
+    W = weight.shape[-1]
+    taps = window.float().unfold(-1, W, 1)  # (..., C, L, W): taps[..., c, l, :] = inputs l .. l+W-1
+    out = (taps * weight.float()[:, None, :]).sum(-1)  # (..., C, L)
+    if bias is not None:
+        out = out + bias.float()[:, None]
+    return F.silu(out).transpose(-1, -2)
+
+
+def ssm_step_ref(state, x, B, C, dt, A, D):
+    """One token of the Mamba2 recurrence, per head h of group g = h // (H/G):
+
+        S_h = exp(dt_h * A_h) * S_h + dt_h * (x_h outer B_g);   y_h = S_h @ C_g + D_h * x_h
+
+    state (..., H, P, N) fp32, x (..., H, P), B and C (..., G, N), dt (..., H) fp32, A and D (H,).
+    Returns (new state, y (..., H, P)), both fp32.
+    """
+    *lead, H, P, N = state.shape
+    G = B.shape[-2]
+    xf = x.float()
+    # heads viewed as (G, H/G) so B and C broadcast over the heads of their group without copies
+    Bg = B.float().reshape(*lead, G, 1, 1, N)
+    Cg = C.float().reshape(*lead, G, 1, N, 1)
+    decay = torch.exp(dt * A)[..., None, None]  # (..., H, 1, 1)
+    upd = (dt[..., None] * xf).reshape(*lead, G, H // G, P, 1) * Bg  # (..., G, H/G, P, N)
+    state = decay * state + upd.reshape(*lead, H, P, N)
+    y = (state.reshape(*lead, G, H // G, P, N) @ Cg).reshape(*lead, H, P) + D.float()[:, None] * xf
+    return state, y
+
+
 @triton.jit
 def rms_normalize(b_xf, n, eps, ty):
     """x / sqrt(mean(x^2) + eps) over a block whose masked lanes hold 0, rounded to ty as the reference rounds."""
@@ -253,61 +308,6 @@ def rope_inv_freq(head_dim: int, theta: float | None, device) -> torch.Tensor:
     if theta is None:
         return torch.zeros(1, dtype=torch.float32, device=device)
     return 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
-
-
-def apply_rope_ref(x: torch.Tensor, positions: torch.Tensor, theta: float | None) -> torch.Tensor:
-    """Rotate x (..., T, heads, Dh) by positions (..., T); identity when theta is None (NoPE).
-    Rotate-half RoPE, for d < Dh/2 with f_d = theta^(-2d/Dh):
-
-        x'[d]        = x[d] cos(t f_d) - x[d + Dh/2] sin(t f_d)
-        x'[d + Dh/2] = x[d + Dh/2] cos(t f_d) + x[d] sin(t f_d)
-    """
-    if theta is None:
-        return x
-    inv_freq = rope_inv_freq(x.shape[-1], theta, positions.device)  # (Dh/2,)
-    freqs = positions.float()[..., None, None] * inv_freq  # (..., T, 1, Dh/2): broadcast over heads
-    angle = torch.cat((freqs, freqs), dim=-1)  # (..., T, 1, Dh), rotate-half layout
-    xf = x.float()
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
-    return (xf * angle.cos() + rotated * angle.sin()).to(x.dtype)
-
-
-def mamba_dt_ref(dt: torch.Tensor, dt_bias: torch.Tensor, dt_limit: tuple[float, float]) -> torch.Tensor:
-    """dt = clamp(softplus(dt + dt_bias), *dt_limit) in fp32; dt (..., H)."""
-    return F.softplus(dt.float() + dt_bias.float()).clamp(min=dt_limit[0], max=dt_limit[1])
-
-
-def conv_silu_ref(window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """Causal depthwise conv1d + SiLU: window (..., C, W-1+L), the W-1 inputs before the first
-    output then the L new ones; weight (C, W), bias (C,) or None -> (..., L, C) in fp32."""
-    W = weight.shape[-1]
-    taps = window.float().unfold(-1, W, 1)  # (..., C, L, W): taps[..., c, l, :] = inputs l .. l+W-1
-    out = (taps * weight.float()[:, None, :]).sum(-1)  # (..., C, L)
-    if bias is not None:
-        out = out + bias.float()[:, None]
-    return F.silu(out).transpose(-1, -2)
-
-
-def ssm_step_ref(state, x, B, C, dt, A, D):
-    """One token of the Mamba2 recurrence, per head h of group g = h // (H/G):
-
-        S_h = exp(dt_h * A_h) * S_h + dt_h * (x_h outer B_g);   y_h = S_h @ C_g + D_h * x_h
-
-    state (..., H, P, N) fp32, x (..., H, P), B and C (..., G, N), dt (..., H) fp32, A and D (H,).
-    Returns (new state, y (..., H, P)), both fp32.
-    """
-    *lead, H, P, N = state.shape
-    G = B.shape[-2]
-    xf = x.float()
-    # heads viewed as (G, H/G) so B and C broadcast over the heads of their group without copies
-    Bg = B.float().reshape(*lead, G, 1, 1, N)
-    Cg = C.float().reshape(*lead, G, 1, N, 1)
-    decay = torch.exp(dt * A)[..., None, None]  # (..., H, 1, 1)
-    upd = (dt[..., None] * xf).reshape(*lead, G, H // G, P, 1) * Bg  # (..., G, H/G, P, N)
-    state = decay * state + upd.reshape(*lead, H, P, N)
-    y = (state.reshape(*lead, G, H // G, P, N) @ Cg).reshape(*lead, H, P) + D.float()[:, None] * xf
-    return state, y
 
 
 def split_xbc(xbc: torch.Tensor, n_heads: int, head_dim: int, n_groups: int):

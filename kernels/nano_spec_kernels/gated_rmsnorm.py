@@ -14,6 +14,15 @@ _check = Checker("gated_rmsnorm")
 _ARGS = {"y, z": Arg("... d_in", FLOAT, ROW), "weight": Arg("d_in")}
 
 
+def gated_rmsnorm_ref(y, z, weight, group_size: int, eps: float):
+    """y, z (..., d_in), weight (d_in,) -> (..., d_in) in z's dtype."""
+    u = y.float() * F.silu(z.float())
+    *lead, d_in = u.shape
+    g = u.view(*lead, d_in // group_size, group_size)
+    g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * g.view(*lead, d_in).to(z.dtype)
+
+
 @triton.jit
 def _gated_rmsnorm_kernel(p_y, p_z, p_w, p_out, d_in, group_size, eps, stride_y, stride_z, BLOCK: tl.constexpr):
     i_m, i_g = tl.program_id(0).to(tl.int64), tl.program_id(1)
@@ -60,12 +69,3 @@ def gated_rmsnorm_bytes(rows: int, d_in: int, act: int, param: int | None = None
     an element of y and z, param of the weight (act when None), the output in the wider of the two."""
     param = act if param is None else param
     return {"y, z": 2 * rows * d_in * act, "weight": d_in * param, "out": rows * d_in * max(act, param)}
-
-
-def gated_rmsnorm_ref(y, z, weight, group_size: int, eps: float):
-    """y, z (..., d_in), weight (d_in,) -> (..., d_in) in z's dtype."""
-    u = y.float() * F.silu(z.float())
-    *lead, d_in = u.shape
-    g = u.view(*lead, d_in // group_size, group_size)
-    g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * g.view(*lead, d_in).to(z.dtype)

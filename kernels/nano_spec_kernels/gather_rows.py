@@ -12,6 +12,11 @@ _check = Checker("gather_rows")
 _ARGS = {"src": Arg("B K D", layout=ROW), "idx": Arg("B", INT)}
 
 
+def gather_rows_ref(src, idx):
+    """src (B, K, D), idx (B,) int -> (B, D)."""
+    return src[torch.arange(src.shape[0], device=src.device), idx]
+
+
 @triton.jit
 def _gather_rows_kernel(p_src, p_idx, p_out, D, s_src_b, s_src_k, s_out_b, BLOCK_D: tl.constexpr):
     i_b, i_d = tl.program_id(0), tl.program_id(1)
@@ -49,8 +54,3 @@ def gather_rows(src, idx):
 def gather_rows_bytes(B: int, D: int, act: int) -> dict:
     """The bytes one call moves, by tensor: one row of D elements (act bytes) read and written per sequence."""
     return {"src rows": B * D * act, "idx": B * 8, "out": B * D * act}
-
-
-def gather_rows_ref(src, idx):
-    """src (B, K, D), idx (B,) int -> (B, D)."""
-    return src[torch.arange(src.shape[0], device=src.device), idx]

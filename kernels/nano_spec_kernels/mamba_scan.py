@@ -34,6 +34,25 @@ _ARGS = {"xBC": Arg("T C", FLOAT, ROW), "dt": Arg("T H", FLOAT, ROW),
          "conv_weight": Arg("C W"), "conv_bias": Arg("C"), "dt_bias, A_log, D": Arg("H")}
 
 
+def mamba_scan_ref(xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, n_groups: int, head_dim: int,
+                   dt_limit=(0.0, float("inf"))):
+    """xBC (T, C) conv inputs, dt (T, H) raw time steps; conv_weight (C, W), conv_bias (C,) or None,
+    dt_bias, A_log, D (H,) -> (y (T, H, P) with the D skip, in xBC's dtype; final ssm_state
+    (H, P, N) fp32; final conv window (C, W-1): the last W-1 conv inputs, zeros where T < W-1)."""
+    T, C = xBC.shape
+    H, W = dt.shape[-1], conv_weight.shape[-1]
+    window = torch.cat([xBC.new_zeros(C, W - 1), xBC.t()], dim=-1)  # (C, W-1+T)
+    x, B, Cm = split_xbc(conv_silu_ref(window, conv_weight, conv_bias), H, head_dim, n_groups)
+    dt = mamba_dt_ref(dt, dt_bias, dt_limit)  # (T, H)
+    A = -torch.exp(A_log.float())
+    state = torch.zeros(H, head_dim, B.shape[-1], dtype=torch.float32, device=xBC.device)
+    ys = []
+    for t in range(T):
+        state, y = ssm_step_ref(state, x[t], B[t], Cm[t], dt[t], A, D)
+        ys.append(y)
+    return torch.stack(ys).to(xBC.dtype), state, window[:, T:].clone()
+
+
 @triton.jit
 def _conv_silu_tokens(p_xbc, p_conv_w, p_conv_b, stride_t, o_t, m_t, o_c, m_c, W: tl.constexpr, HAS_BIAS: tl.constexpr):
     """silu(causal conv) for tokens o_t (rows) and channels o_c (cols) -> (len(o_t), len(o_c)) fp32;
@@ -205,22 +224,3 @@ def mamba_scan(xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, n_groups: int
                                     method, cuda=xBC.is_cuda, n_sm=sm_count(xBC.device))
     run(launches)
     return out
-
-
-def mamba_scan_ref(xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, n_groups: int, head_dim: int,
-                   dt_limit=(0.0, float("inf"))):
-    """xBC (T, C) conv inputs, dt (T, H) raw time steps; conv_weight (C, W), conv_bias (C,) or None,
-    dt_bias, A_log, D (H,) -> (y (T, H, P) with the D skip, in xBC's dtype; final ssm_state
-    (H, P, N) fp32; final conv window (C, W-1): the last W-1 conv inputs, zeros where T < W-1)."""
-    T, C = xBC.shape
-    H, W = dt.shape[-1], conv_weight.shape[-1]
-    window = torch.cat([xBC.new_zeros(C, W - 1), xBC.t()], dim=-1)  # (C, W-1+T)
-    x, B, Cm = split_xbc(conv_silu_ref(window, conv_weight, conv_bias), H, head_dim, n_groups)
-    dt = mamba_dt_ref(dt, dt_bias, dt_limit)  # (T, H)
-    A = -torch.exp(A_log.float())
-    state = torch.zeros(H, head_dim, B.shape[-1], dtype=torch.float32, device=xBC.device)
-    ys = []
-    for t in range(T):
-        state, y = ssm_step_ref(state, x[t], B[t], Cm[t], dt[t], A, D)
-        ys.append(y)
-    return torch.stack(ys).to(xBC.dtype), state, window[:, T:].clone()

@@ -36,6 +36,34 @@ _ARGS = {
 }
 
 
+def mamba_verify_ref(xBC, dt, conv_state, ssm_state, slot_ids, conv_weight, conv_bias, dt_bias, A_log, D,
+                     ssm_stash, conv_stash, n_groups: int, dt_limit=(0.0, float("inf"))):
+    """xBC (B, K, C), dt (B, K, H); conv_state (S, C, W-1) and ssm_state (S, H, P, N) fp32 of one layer,
+    updated in place at slot_ids (B,); ssm_stash (B, K, H, P, N) fp32 and conv_stash (B, C, W-1+K) written.
+    Returns y (B, K, H, P) in xBC's dtype."""
+    Bsz, K, C = xBC.shape
+    H, P = ssm_state.shape[1], ssm_state.shape[2]
+    window = torch.cat([conv_state[slot_ids], xBC.transpose(1, 2).to(conv_state.dtype)], dim=-1)  # (B, C, W-1+K)
+    conv_stash.copy_(window)
+    x, B, Cm = split_xbc(conv_silu_ref(window, conv_weight, conv_bias), H, P, n_groups)  # (B, K, ...)
+    dt = mamba_dt_ref(dt, dt_bias, dt_limit)  # (B, K, H)
+    A = -torch.exp(A_log.float())
+    G, N = n_groups, B.shape[-1]
+    xf = x.float()
+    # the decays and rank-1 updates of all K rows at once; heads viewed as (G, H/G) so B and C broadcast
+    decay = torch.exp(dt * A)[..., None, None]  # (B, K, H, 1, 1)
+    upd = ((dt[..., None] * xf).reshape(Bsz, K, G, H // G, P, 1) * B.float().reshape(Bsz, K, G, 1, 1, N))
+    upd = upd.reshape(Bsz, K, H, P, N)
+    state = ssm_state[slot_ids].float()  # (B, H, P, N)
+    for j in range(K):  # the one sequential part, two ops per row, straight into the stash
+        state = torch.mul(decay[:, j], state, out=ssm_stash[:, j]).add_(upd[:, j])
+    y = (ssm_stash.reshape(Bsz, K, G, H // G, P, N) @ Cm.float().reshape(Bsz, K, G, 1, N, 1)).reshape(Bsz, K, H, P)
+    y = y + D.float()[:, None] * xf
+    ssm_state[slot_ids] = state
+    conv_state[slot_ids] = window[:, :, K:]
+    return y.to(xBC.dtype)
+
+
 @triton.jit
 def _conv_silu_row(p_conv_state, p_xbc_b, j, stride_xk, o_c, m_c, b_w, b_bias,
                    Wm1: tl.constexpr, BLOCK_W: tl.constexpr):
@@ -200,31 +228,3 @@ def mamba_verify_bytes(B: int, K: int, H: int, P: int, N: int, G: int, W: int, a
         "y": B * K * H * P * act,
         "conv_stash read": B * C * (W - 1) * act, "conv_state written": B * C * (W - 1) * act,  # _conv_window_kernel
     }
-
-
-def mamba_verify_ref(xBC, dt, conv_state, ssm_state, slot_ids, conv_weight, conv_bias, dt_bias, A_log, D,
-                     ssm_stash, conv_stash, n_groups: int, dt_limit=(0.0, float("inf"))):
-    """xBC (B, K, C), dt (B, K, H); conv_state (S, C, W-1) and ssm_state (S, H, P, N) fp32 of one layer,
-    updated in place at slot_ids (B,); ssm_stash (B, K, H, P, N) fp32 and conv_stash (B, C, W-1+K) written.
-    Returns y (B, K, H, P) in xBC's dtype."""
-    Bsz, K, C = xBC.shape
-    H, P = ssm_state.shape[1], ssm_state.shape[2]
-    window = torch.cat([conv_state[slot_ids], xBC.transpose(1, 2).to(conv_state.dtype)], dim=-1)  # (B, C, W-1+K)
-    conv_stash.copy_(window)
-    x, B, Cm = split_xbc(conv_silu_ref(window, conv_weight, conv_bias), H, P, n_groups)  # (B, K, ...)
-    dt = mamba_dt_ref(dt, dt_bias, dt_limit)  # (B, K, H)
-    A = -torch.exp(A_log.float())
-    G, N = n_groups, B.shape[-1]
-    xf = x.float()
-    # the decays and rank-1 updates of all K rows at once; heads viewed as (G, H/G) so B and C broadcast
-    decay = torch.exp(dt * A)[..., None, None]  # (B, K, H, 1, 1)
-    upd = ((dt[..., None] * xf).reshape(Bsz, K, G, H // G, P, 1) * B.float().reshape(Bsz, K, G, 1, 1, N))
-    upd = upd.reshape(Bsz, K, H, P, N)
-    state = ssm_state[slot_ids].float()  # (B, H, P, N)
-    for j in range(K):  # the one sequential part, two ops per row, straight into the stash
-        state = torch.mul(decay[:, j], state, out=ssm_stash[:, j]).add_(upd[:, j])
-    y = (ssm_stash.reshape(Bsz, K, G, H // G, P, N) @ Cm.float().reshape(Bsz, K, G, 1, N, 1)).reshape(Bsz, K, H, P)
-    y = y + D.float()[:, None] * xf
-    ssm_state[slot_ids] = state
-    conv_state[slot_ids] = window[:, :, K:]
-    return y.to(xBC.dtype)

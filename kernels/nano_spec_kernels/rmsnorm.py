@@ -14,6 +14,14 @@ _check = Checker("rmsnorm")
 _ARGS = {"x": Arg("... D", FLOAT, ROW), "residual": Arg("... D", "x", ROW), "weight": Arg("D")}
 
 
+def rmsnorm_ref(x, weight, eps: float, residual=None, multiplier: float = 1.0):
+    """x (..., D), weight (D,), residual (..., D) or None -> (y, h), both (..., D)."""
+    h = x if residual is None else residual + multiplier * x
+    hf = h.float()
+    y = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * y.to(h.dtype), h
+
+
 @triton.jit
 def _rmsnorm_kernel(p_x, p_res, p_w, p_y, p_h, D, eps, multiplier, stride_x, stride_r,
                     HAS_RES: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -68,11 +76,3 @@ def rmsnorm_bytes(rows: int, D: int, act: int, residual: bool, param: int | None
     param = act if param is None else param
     return {"x": rows * D * act, "residual": rows * D * act * residual, "weight": D * param,
             "y": rows * D * max(act, param), "h": rows * D * act * residual}
-
-
-def rmsnorm_ref(x, weight, eps: float, residual=None, multiplier: float = 1.0):
-    """x (..., D), weight (D,), residual (..., D) or None -> (y, h), both (..., D)."""
-    h = x if residual is None else residual + multiplier * x
-    hf = h.float()
-    y = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * y.to(h.dtype), h

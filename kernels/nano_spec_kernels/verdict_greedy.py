@@ -21,6 +21,19 @@ _ARGS = {"logits": Arg("B K V", FLOAT, ROW), "drafts": Arg("B K-1", INT, STRIDED
 _MASK = {"bitmask": Arg("B K W", torch.int32, ROW)}  # W = ceil(V / 32) words, bound by the launcher
 
 
+def verdict_greedy_ref(logits, drafts, nd, bitmask=None):
+    """logits (B, K, V), drafts (B, K-1) int64, nd (B,) int64, bitmask (B, K, W) int32 or None ->
+    (picks (B, K) int64, na (B,) int64)."""
+    lf = logits.float()
+    if bitmask is not None:
+        lf = lf.masked_fill(~unpack_bitmask(bitmask, lf.shape[-1]), float("-inf"))
+    picks = lf.argmax(-1)  # (B, K)
+    K = logits.shape[1]
+    match = (drafts == picks[:, : K - 1]) & (torch.arange(K - 1, device=logits.device) < nd[:, None])
+    na = match.long().cumprod(-1).sum(-1)
+    return picks, na
+
+
 @triton.jit
 def _row_stats_kernel(
     p_logits, p_mask, p_pm, p_pa, V, CHUNK, s_l_b, s_l_k, s_m_b, s_m_k,
@@ -141,16 +154,3 @@ def unpack_bitmask(bitmask, V: int):
     """bitmask (..., W) int32, bit t % 32 of word t // 32 -> allowed (..., V) bool."""
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
     return ((bitmask[..., None] >> shifts) & 1).flatten(-2)[..., :V].bool()
-
-
-def verdict_greedy_ref(logits, drafts, nd, bitmask=None):
-    """logits (B, K, V), drafts (B, K-1) int64, nd (B,) int64, bitmask (B, K, W) int32 or None ->
-    (picks (B, K) int64, na (B,) int64)."""
-    lf = logits.float()
-    if bitmask is not None:
-        lf = lf.masked_fill(~unpack_bitmask(bitmask, lf.shape[-1]), float("-inf"))
-    picks = lf.argmax(-1)  # (B, K)
-    K = logits.shape[1]
-    match = (drafts == picks[:, : K - 1]) & (torch.arange(K - 1, device=logits.device) < nd[:, None])
-    na = match.long().cumprod(-1).sum(-1)
-    return picks, na

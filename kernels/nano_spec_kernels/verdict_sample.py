@@ -38,6 +38,54 @@ _ARGS = {  # logits and uniforms go through torch, drafts by strides; the kernel
 }
 
 
+def sampling_probs_ref(logits, temperature, top_k, top_p):
+    """logits (B, R, V); temperature (B,) > 0, top_k (B,) int (0 = off), top_p (B,) in (0, 1] ->
+    probs (B, R, V) fp32. top-k keeps the k largest; top-p keeps the smallest prefix of the sorted
+    distribution whose mass reaches top_p (at least one token). Applied to draft and target alike."""
+    # Shift by the row max before scaling: (x - max) / T <= 0 cannot overflow however small T is. T is
+    # floored at fp32's smallest normal, since a tiny T (1e-300) rounds to 0 in fp32.
+    lf = logits.float()
+    t = temperature.float().clamp(min=torch.finfo(torch.float32).tiny)[:, None, None]
+    lf = (lf - lf.amax(-1, keepdim=True)) / t
+    V = lf.shape[-1]
+    sorted_l, order = lf.sort(-1, descending=True)
+    k = torch.where(top_k > 0, top_k, V)[:, None, None]
+    keep = torch.arange(V, device=lf.device) < k  # (B, R, V) in sorted order
+    sorted_l = sorted_l.masked_fill(~keep, float("-inf"))
+    sp = sorted_l.softmax(-1)
+    keep = keep & (sp.cumsum(-1) - sp < top_p[:, None, None])  # the mass before each token
+    keep[..., 0] = True
+    sp = sp.masked_fill(~keep, 0.0)
+    sp = sp / sp.sum(-1, keepdim=True)
+    return torch.zeros_like(sp).scatter(-1, order, sp)
+
+
+def verdict_sample_ref(logits, draft_probs, drafts, nd, uniforms, temperature, top_k, top_p):
+    """logits (B, K, V); draft_probs (B, K-1, V); drafts (B, K-1) int64; nd (B,) int64;
+    uniforms (B, K) in [0, 1); temperature, top_k, top_p (B,) -> (na (B,) int64, token (B,) int64)."""
+    Bsz, K, V = logits.shape
+    p = sampling_probs_ref(logits, temperature, top_k, top_p)  # (B, K, V)
+    rows = torch.arange(Bsz, device=logits.device)
+    if K > 1:
+        p_d = p[:, : K - 1].gather(-1, drafts[..., None])[..., 0]  # (B, K-1)
+        q_d = draft_probs.float().gather(-1, drafts[..., None])[..., 0]
+        ok = (uniforms[:, : K - 1] * q_d < p_d) & (torch.arange(K - 1, device=logits.device) < nd[:, None])
+        na = ok.long().cumprod(-1).sum(-1)
+    else:
+        na = torch.zeros(Bsz, dtype=torch.long, device=logits.device)
+    target = p[rows, na]  # (B, V)
+    if K > 1:  # after a rejection the token is drawn from the residual max(0, p - q)
+        q_na = draft_probs.float()[rows, na.clamp(max=K - 2)]
+        resid = (target - q_na).clamp(min=0)
+        # p == q exactly makes a rejection impossible; fall back to p if rounding produced one
+        resid = torch.where(resid.sum(-1, keepdim=True) > 0, resid, target)
+        target = torch.where((na < nd)[:, None], resid, target)
+    cdf = target.cumsum(-1)
+    thresh = uniforms[:, K - 1 : K] * cdf[:, -1:]
+    token = (cdf <= thresh).sum(-1).clamp(max=V - 1)
+    return na, token
+
+
 @triton.jit
 def _chosen_weights(p_p, p_q, o_t, o_q, o_x, m_x, b_resid, K: tl.constexpr):
     """The weights the token is drawn from, one V block: max(0, p - q) after a rejection, else p."""
@@ -161,51 +209,3 @@ def verdict_sample(logits, draft_probs, drafts, nd, uniforms, temperature, top_k
     """Triton version of verdict_sample_ref (same signature; (na, token) equal for the same uniforms,
     up to the cumsum rounding discussed in the module docstring)."""
     return _verdict_sample(logits, draft_probs, drafts, nd, uniforms, temperature, top_k, top_p)
-
-
-def sampling_probs_ref(logits, temperature, top_k, top_p):
-    """logits (B, R, V); temperature (B,) > 0, top_k (B,) int (0 = off), top_p (B,) in (0, 1] ->
-    probs (B, R, V) fp32. top-k keeps the k largest; top-p keeps the smallest prefix of the sorted
-    distribution whose mass reaches top_p (at least one token). Applied to draft and target alike."""
-    # Shift by the row max before scaling: (x - max) / T <= 0 cannot overflow however small T is. T is
-    # floored at fp32's smallest normal, since a tiny T (1e-300) rounds to 0 in fp32.
-    lf = logits.float()
-    t = temperature.float().clamp(min=torch.finfo(torch.float32).tiny)[:, None, None]
-    lf = (lf - lf.amax(-1, keepdim=True)) / t
-    V = lf.shape[-1]
-    sorted_l, order = lf.sort(-1, descending=True)
-    k = torch.where(top_k > 0, top_k, V)[:, None, None]
-    keep = torch.arange(V, device=lf.device) < k  # (B, R, V) in sorted order
-    sorted_l = sorted_l.masked_fill(~keep, float("-inf"))
-    sp = sorted_l.softmax(-1)
-    keep = keep & (sp.cumsum(-1) - sp < top_p[:, None, None])  # the mass before each token
-    keep[..., 0] = True
-    sp = sp.masked_fill(~keep, 0.0)
-    sp = sp / sp.sum(-1, keepdim=True)
-    return torch.zeros_like(sp).scatter(-1, order, sp)
-
-
-def verdict_sample_ref(logits, draft_probs, drafts, nd, uniforms, temperature, top_k, top_p):
-    """logits (B, K, V); draft_probs (B, K-1, V); drafts (B, K-1) int64; nd (B,) int64;
-    uniforms (B, K) in [0, 1); temperature, top_k, top_p (B,) -> (na (B,) int64, token (B,) int64)."""
-    Bsz, K, V = logits.shape
-    p = sampling_probs_ref(logits, temperature, top_k, top_p)  # (B, K, V)
-    rows = torch.arange(Bsz, device=logits.device)
-    if K > 1:
-        p_d = p[:, : K - 1].gather(-1, drafts[..., None])[..., 0]  # (B, K-1)
-        q_d = draft_probs.float().gather(-1, drafts[..., None])[..., 0]
-        ok = (uniforms[:, : K - 1] * q_d < p_d) & (torch.arange(K - 1, device=logits.device) < nd[:, None])
-        na = ok.long().cumprod(-1).sum(-1)
-    else:
-        na = torch.zeros(Bsz, dtype=torch.long, device=logits.device)
-    target = p[rows, na]  # (B, V)
-    if K > 1:  # after a rejection the token is drawn from the residual max(0, p - q)
-        q_na = draft_probs.float()[rows, na.clamp(max=K - 2)]
-        resid = (target - q_na).clamp(min=0)
-        # p == q exactly makes a rejection impossible; fall back to p if rounding produced one
-        resid = torch.where(resid.sum(-1, keepdim=True) > 0, resid, target)
-        target = torch.where((na < nd)[:, None], resid, target)
-    cdf = target.cumsum(-1)
-    thresh = uniforms[:, K - 1 : K] * cdf[:, -1:]
-    token = (cdf <= thresh).sum(-1).clamp(max=V - 1)
-    return na, token

@@ -1,7 +1,7 @@
 """Adaptive draft length (`num_drafts="auto"`): each step picks γ_eff in [0, γ_max] for the batch.
 
 Speculation pays when the tokens a step yields grow faster than its cost. Both are measured
-online (docs/DESIGN.md §7):
+online (docs/DESIGN.md §4, "Draft length per step"; the metrics in §7):
 
     a_j      conditional acceptance: P(draft j accepted | drafts 1..j-1 were), decayed counts
     E(γ)   = 1 + Σ_{i≤γ} Π_{j≤i} a_j            expected tokens of a step with γ drafts
