@@ -8,7 +8,7 @@ from nano_spec.model.cache import SlotIds
 
 
 class MTPProposer:
-    """The checkpoint's MTP head. Its state per slot: the KV rows of its attention layer, and `seed`, its output
+    """The checkpoint's MTP head. Its state per slot: the KV rows of its attention layer, and `head_out`, its output
     at the last accepted position, which draft 1 is read from (DESIGN §4)."""
     taps = ()
 
@@ -17,7 +17,7 @@ class MTPProposer:
         cfg, p = model.cfg, next(model.parameters())
         self.k = torch.zeros(num_slots, max_len, cfg.num_key_value_heads, cfg.head_dim, device=p.device, dtype=p.dtype)
         self.v = torch.zeros_like(self.k)                                    # (S, L, Hkv, Dh)
-        self.seed = torch.zeros(num_slots, cfg.hidden_size, device=p.device, dtype=p.dtype)  # (S, D)
+        self.head_out = torch.zeros(num_slots, cfg.hidden_size, device=p.device, dtype=p.dtype)  # (S, D)
         self.pos = torch.zeros(num_slots, dtype=torch.long, device=p.device)  # (S,) the position draft 1 is for
         self.sampling = BatchSampling.of([SamplingParams()] * num_slots, p.device)  # (S,) each request's settings
         self.slot_ids = SlotIds(p.device)
@@ -33,24 +33,24 @@ class MTPProposer:
         T = hidden.shape[0]
         next_ids = torch.cat([torch.tensor(seq.tokens[1:T], dtype=torch.long, device=hidden.device), first])  # (T,)
         o = self.model.mtp_prefill(next_ids, hidden, seq.slot, self.k, self.v)  # (T, D)
-        self.seed[seq.slot], self.pos[seq.slot] = o[-1], T
+        self.head_out[seq.slot], self.pos[seq.slot] = o[-1], T
         self.sampling.write(seq.slot, BatchSampling.of([seq.params], hidden.device))
 
     def catch_up(self, seqs, rows: VerifiedRows, na):
         """The K verified rows at MTP positions seq_len..; rows past na are computed but lie beyond the new
         frontier and are overwritten later."""
         kv_len = max(s.seq_len for s in seqs) + rows.tokens.shape[1]
-        self.seed[rows.slots] = self._call("_verified", rows.tokens, rows.hidden, rows.slots, rows.seq_lens, na,
+        self.head_out[rows.slots] = self._call("_verified", rows.tokens, rows.hidden, rows.slots, rows.seq_lens, na,
                                            kv_len=kv_len)
         self.pos[rows.slots] = rows.seq_lens + na + 1
 
     def draft(self, seqs, gamma, uniforms) -> Drafts:
-        """Draft 1 from the seed; step i > 1 feeds draft i-1 and the previous MTP output at position pos + i - 2.
+        """Draft 1 from head_out; step i > 1 feeds draft i-1 and the previous MTP output at position pos + i - 2.
         A constrained row picks draft i under its grammar's mask after drafts 1..i-1."""
         slots = self.slot_ids(seqs)
         if not gamma:
             return Drafts(slots.new_zeros(len(seqs), 0), slots.new_zeros(len(seqs)), None)
-        o, pos, kv_len = self.seed[slots], self.pos[slots], max(s.seq_len for s in seqs) + gamma
+        o, pos, kv_len = self.head_out[slots], self.pos[slots], max(s.seq_len for s in seqs) + gamma
 
         def logits(i, prev):  # draft i > 0 grows from the MTP output after draft i - 1
             nonlocal o
@@ -63,7 +63,7 @@ class MTPProposer:
 
     # ---- the two MTP calls of a step, compiled per bucket under LLM(compile=True) ------------------------
     def _verified(self, tokens, hidden, slots, seq_lens, na, kv_len: int):
-        """Catch-up over a verify's K rows (B, K), hidden (B, K, D) -> the new seeds (B, D), the rows at na."""
+        """Catch-up over a verify's K rows (B, K), hidden (B, K, D) -> the new head_out rows (B, D), the rows at na."""
         o = self.model.mtp_step(tokens, hidden, slots, seq_lens, self.k, self.v, kv_len)
         return self.model.ops.gather_rows(o, na)
 

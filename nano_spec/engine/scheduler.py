@@ -192,9 +192,9 @@ class Scheduler:
             self.tel.propose_failures += r.error.startswith("proposer")
             return StepRow(seq.id, r.drafts, r.na, [], seq.finish_reason)
         seq_len, before = seq.seq_len, len(seq.tokens)
-        last = BONUS if r.na == len(r.drafts) else CORRECTION
+        pick_origin = BONUS if r.na == len(r.drafts) else CORRECTION
         for j, token in enumerate(r.tokens):
-            self._emit(seq, token, r.logprobs[j] if r.logprobs else None, DRAFT if j < r.na else last)
+            self._emit(seq, token, r.logprobs[j] if r.logprobs else None, DRAFT if j < r.na else pick_origin)
             if seq.finished:
                 break
         seq.verify_steps += 1

@@ -12,7 +12,7 @@ The steps, as nano_spec/engine/runner.py runs them, bf16 (the CUDA default) at B
   γ = 3    an MTP head of the shipped weights' kind (one attention layer of the model's shape, eh_proj 2D -> D,
            the model's lm_head): 3 drafts (the head's logits 3 times, its layer twice), verify over K = 4 rows,
            greedy verdict, commit_state (every row committing: the worst case, which bench_mamba times), the
-           head's catch-up over the K rows and the seed gather.
+           head's catch-up over the K rows and the head_out gather.
 The Granite 4.0-H checkpoints ship no MTP head; the γ = 3 column prices one. Speedup = tau * t_plain / t_γ3:
 tau tokens per γ = 3 step (the acceptance the shipped weights' bench measures) against one per plain step.
 Launches are counted too: without CUDA graphs a launch costs a few us of host time, which a B = 1 step of a
