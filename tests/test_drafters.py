@@ -51,13 +51,13 @@ class Outside:
             self.taps = taps
 
     def admit(self, seq, hidden, first, **kw):
-        self.admitted.append(kw.get("taps"))
+        self.admitted.append(kw.get("tapped"))
 
     def draft(self, seqs, gamma, uniforms):
         return Drafts.from_lists([[3, 5][:gamma] for _ in seqs], gamma, "cpu")
 
     def catch_up(self, seqs, rows, na):
-        self.caught_up.append(rows.taps)
+        self.caught_up.append(rows.tapped)
 
 
 @pytest.mark.parametrize("taps", [None, (1, 3)], ids=["no-taps", "taps"])

@@ -166,10 +166,10 @@ def test_fault_in_one_sequence_ends_only_it(ckpt, reference, monkeypatch, where,
     else:
         real_prefill = llm.model.prefill
 
-        def prefill(ids, slot, cache, *taps_out):
+        def prefill(ids, slot, cache, *tapped_out):
             if slot == victim["seq"].slot:
                 raise RuntimeError("injected prefill fault")
-            return real_prefill(ids, slot, cache, *taps_out)
+            return real_prefill(ids, slot, cache, *tapped_out)
 
         monkeypatch.setattr(llm.model, "prefill", prefill)
     enc = llm.tokenizer.encode

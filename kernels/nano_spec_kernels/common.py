@@ -200,8 +200,8 @@ def conv_silu_ref(window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     """Causal depthwise conv1d + SiLU: window (..., C, W-1+L), the W-1 inputs before the first
     output then the L new ones; weight (C, W), bias (C,) or None -> (..., L, C) in fp32."""
     W = weight.shape[-1]
-    taps = window.float().unfold(-1, W, 1)  # (..., C, L, W): taps[..., c, l, :] = inputs l .. l+W-1
-    out = (taps * weight.float()[:, None, :]).sum(-1)  # (..., C, L)
+    windows = window.float().unfold(-1, W, 1)  # (..., C, L, W): windows[..., c, l, :] = inputs l .. l+W-1
+    out = (windows * weight.float()[:, None, :]).sum(-1)  # (..., C, L)
     if bias is not None:
         out = out + bias.float()[:, None]
     return F.silu(out).transpose(-1, -2)
@@ -253,7 +253,7 @@ def mamba_channels(i_h, o_p, o_n, H: tl.constexpr, P: tl.constexpr, N: tl.conste
 
 
 @triton.jit
-def load_conv_taps(p_conv_w, p_conv_b, o_c, m_c, o_w, W: tl.constexpr, HAS_BIAS: tl.constexpr):
+def load_conv_weights(p_conv_w, p_conv_b, o_c, m_c, o_w, W: tl.constexpr, HAS_BIAS: tl.constexpr):
     """Conv weights (channels, BLOCK_W) and biases (channels,) of the conv channels o_c, in fp32."""
     b_w = tl.load(p_conv_w + o_c[:, None] * W + o_w[None, :], mask=m_c[:, None] & (o_w < W)[None, :], other=0.0)
     if HAS_BIAS:

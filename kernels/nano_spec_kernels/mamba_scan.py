@@ -21,7 +21,7 @@ channels on the fly (x of its head, B and C of its group, which every head block
 """
 import torch
 
-from nano_spec_kernels.common import (FLOAT, ROW, Arg, Checker, Launch, conv_silu_ref, load_conv_taps, load_head_params,
+from nano_spec_kernels.common import (FLOAT, ROW, Arg, Checker, Launch, conv_silu_ref, load_conv_weights, load_head_params,
                                       mamba_channels, mamba_dt, mamba_dt_ref, pow2, run, sm_count, split_xbc,
                                       ssm_step_ref, tl, triton)
 
@@ -89,7 +89,7 @@ def _mamba_scan_recurrent_kernel(
     i_h, i_p = tl.program_id(0), tl.program_id(1)
     o_p = i_p * BLOCK_P + tl.arange(0, BLOCK_P)
     o_n = tl.arange(0, BLOCK_N)
-    o_w = tl.arange(0, BLOCK_W)  # conv taps, BLOCK_W >= W here
+    o_w = tl.arange(0, BLOCK_W)  # conv filter positions, BLOCK_W >= W here
     m_p, m_n = o_p < P, o_n < N
     o_cx, o_cb, o_cc = mamba_channels(i_h, o_p, o_n, H, P, N, G)  # conv channels: x of head h, B and C of group g
     # window tiles (channels, taps): token t reads inputs t-(W-1)+w; pointers and weights hoisted
@@ -98,9 +98,9 @@ def _mamba_scan_recurrent_kernel(
     p_wx = p_xbc + (o_w[None, :] - (W - 1)) * stride_t + o_cx[:, None]
     p_wb = p_xbc + (o_w[None, :] - (W - 1)) * stride_t + o_cb[:, None]
     p_wc = p_xbc + (o_w[None, :] - (W - 1)) * stride_t + o_cc[:, None]
-    b_wx, b_bx = load_conv_taps(p_conv_w, p_conv_b, o_cx, m_p, o_w, W, HAS_BIAS)
-    b_wb, b_bb = load_conv_taps(p_conv_w, p_conv_b, o_cb, m_n, o_w, W, HAS_BIAS)
-    b_wc, b_bc = load_conv_taps(p_conv_w, p_conv_b, o_cc, m_n, o_w, W, HAS_BIAS)
+    b_wx, b_bx = load_conv_weights(p_conv_w, p_conv_b, o_cx, m_p, o_w, W, HAS_BIAS)
+    b_wb, b_bb = load_conv_weights(p_conv_w, p_conv_b, o_cb, m_n, o_w, W, HAS_BIAS)
+    b_wc, b_bc = load_conv_weights(p_conv_w, p_conv_b, o_cc, m_n, o_w, W, HAS_BIAS)
     b_A, b_D, b_dt_bias = load_head_params(p_A_log, p_D, p_dt_bias, i_h)
     b_s = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)  # (BLOCK_P, N): zero initial state
     p_yt = p_y + i_h * P + o_p

@@ -23,7 +23,7 @@ The Triton version is two launches:
 """
 import torch
 
-from nano_spec_kernels.common import (FLOAT, INT, ROW, Arg, Checker, Launch, conv_silu_ref, load_conv_taps,
+from nano_spec_kernels.common import (FLOAT, INT, ROW, Arg, Checker, Launch, conv_silu_ref, load_conv_weights,
                                       load_head_params, mamba_channels, mamba_dt, mamba_dt_ref, run, sm_count,
                                       split_xbc, tl, triton)
 
@@ -67,7 +67,7 @@ def mamba_verify_ref(xBC, dt, conv_state, ssm_state, slot_ids, conv_weight, conv
 @triton.jit
 def _conv_silu_row(p_conv_state, p_xbc_b, j, stride_xk, o_c, m_c, b_w, b_bias,
                    Wm1: tl.constexpr, BLOCK_W: tl.constexpr):
-    """silu(conv) of row j for the channels o_c: taps are window positions j .. j+W-1,
+    """silu(conv) of row j for the channels o_c: the filter reads window positions j .. j+W-1,
     position i < W-1 from the slot's conv_state, i >= W-1 from xBC row i-(W-1)."""
     o_w = tl.arange(0, BLOCK_W)
     i = j + o_w  # (BLOCK_W,) window positions
@@ -117,9 +117,9 @@ def _mamba_verify_kernel(
     o_cx, o_cb, o_cc = mamba_channels(i_h, o_p, o_n, H, P, N, G)  # conv channels: x of head i_h, B and C of its group
 
     # conv weights (channels, W) and biases, loaded once for the K rows
-    b_wx, b_bx = load_conv_taps(p_conv_w, p_conv_b, o_cx, m_p, o_w, W, HAS_BIAS)
-    b_wb, b_bb = load_conv_taps(p_conv_w, p_conv_b, o_cb, m_n, o_w, W, HAS_BIAS)
-    b_wc, b_bc = load_conv_taps(p_conv_w, p_conv_b, o_cc, m_n, o_w, W, HAS_BIAS)
+    b_wx, b_bx = load_conv_weights(p_conv_w, p_conv_b, o_cx, m_p, o_w, W, HAS_BIAS)
+    b_wb, b_bb = load_conv_weights(p_conv_w, p_conv_b, o_cb, m_n, o_w, W, HAS_BIAS)
+    b_wc, b_bc = load_conv_weights(p_conv_w, p_conv_b, o_cc, m_n, o_w, W, HAS_BIAS)
     b_A, b_D, b_dt_bias = load_head_params(p_A_log, p_D, p_dt_bias, i_h)
 
     p_cs = p_conv_state + i_s * C * Wm1  # (C, W-1) window of slot s

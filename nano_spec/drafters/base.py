@@ -20,7 +20,7 @@ optional): such an object is wrapped once, at that boundary, in `Checked`, which
 `dflash` a block drafter (nano_spec/model/dflash.py, DESIGN §13): one forward over [last token, MASK...]
         reading the target's tapped layers drafts a whole block; the verify takes γ of it.
         Its `taps`, a list of layer indices, make the runner stash those layers' rows for
-        admit and catch_up (admit(..., taps=(T, nT*D)), VerifiedRows.taps).
+        admit and catch_up (admit(..., tapped=(T, nT*D)), VerifiedRows.tapped).
 """
 from dataclasses import dataclass
 from typing import Protocol
@@ -54,7 +54,7 @@ class VerifiedRows:
     seq_lens: torch.Tensor  # (B,) tokens in the caches before the step
     tokens: torch.Tensor    # (B, K) the token emitted after each row (valid for j <= na)
     hidden: torch.Tensor    # (B, K, D) final-normed hidden of each row
-    taps: torch.Tensor | None = None  # (B, K, nT*D) the residual after each layer in proposer.taps, if any
+    tapped: torch.Tensor | None = None  # (B, K, nT*D) the residual after each layer in the drafter's taps, if any
 
 
 def pick_in_order(seqs, slots, per_slot: BatchSampling, gamma: int, uniforms, logits_of) -> Drafts:
@@ -92,9 +92,9 @@ class Drafter(Protocol):
     max_drafts: int  # γ_max, the most drafts a step asks for
     taps: tuple      # the target layers whose rows it reads (a block drafter); () for the others
 
-    def admit(self, seq, hidden, first, taps=None) -> None:
-        """A new sequence: hidden (T, D) its final-normed prompt rows, first (1,) its first token, taps (T, nT*D)
-        the tapped layers' rows (None without taps)."""
+    def admit(self, seq, hidden, first, tapped=None) -> None:
+        """A new sequence: hidden (T, D) its final-normed prompt rows, first (1,) its first token, tapped (T, nT*D)
+        the rows of the layers in taps (None without taps)."""
 
     def draft(self, seqs, gamma: int, uniforms) -> Drafts:
         """γ drafts per sequence, at the start of a step."""
@@ -114,8 +114,8 @@ class Checked:
         self.max_drafts = inner.max_drafts
         self.taps = tuple(getattr(inner, "taps", ()))
 
-    def admit(self, seq, hidden, first, taps=None):
-        self.inner.admit(seq, hidden, first, **({"taps": taps} if self.taps else {}))
+    def admit(self, seq, hidden, first, tapped=None):
+        self.inner.admit(seq, hidden, first, **({"tapped": tapped} if self.taps else {}))
 
     def catch_up(self, seqs, rows, na):
         self.inner.catch_up(seqs, rows, na)

@@ -31,26 +31,26 @@ class DFlashProposer:
         """Bytes of the context K/V, before anything is allocated."""
         return 2 * cfg.num_hidden_layers * num_slots * max_len * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
 
-    def _store(self, slots, taps, positions):
-        """Context K/V of rows taps (B, T, nT*D) at positions (B, T) into slots (B,)."""
-        c = self.drafter.context(taps)
+    def _store(self, slots, tapped, positions):
+        """Context K/V of the tapped rows (B, T, nT*D) at positions (B, T) into slots (B,)."""
+        c = self.drafter.context(tapped)
         for i in range(len(self.drafter.layers)):
             k, v = self.drafter.context_kv(i, c, positions)
             self.k[i, slots[:, None], positions], self.v[i, slots[:, None], positions] = k, v
 
-    def admit(self, seq, hidden, first, taps):
+    def admit(self, seq, hidden, first, tapped):
         """The bootstrap: every prompt row's context K/V, so the first block already sees the whole prompt."""
-        T = taps.shape[0]
-        slot = torch.tensor([seq.slot], device=taps.device)
-        self._store(slot, taps[None], torch.arange(T, device=taps.device)[None])
+        T = tapped.shape[0]
+        slot = torch.tensor([seq.slot], device=tapped.device)
+        self._store(slot, tapped[None], torch.arange(T, device=tapped.device)[None])
         self.last[seq.slot], self.ctx_len[seq.slot] = first[0], T
-        self.sampling.write(seq.slot, BatchSampling.of([seq.params], taps.device))
+        self.sampling.write(seq.slot, BatchSampling.of([seq.params], tapped.device))
 
     def catch_up(self, seqs, rows, na):
         """Context K/V of the verified rows at positions seq_len + j; rows past na lie beyond the new context
         length and are overwritten later. The block's row 0 becomes the token emitted after row na."""
         K = rows.tokens.shape[1]
-        self._store(rows.slots, rows.taps, rows.seq_lens[:, None] + torch.arange(K, device=na.device))
+        self._store(rows.slots, rows.tapped, rows.seq_lens[:, None] + torch.arange(K, device=na.device))
         self.last[rows.slots] = rows.tokens.gather(1, na[:, None])[:, 0]
         self.ctx_len[rows.slots] = rows.seq_lens + na + 1
 

@@ -28,7 +28,7 @@ class MTPProposer:
         """Bytes of the KV rows, before anything is allocated."""
         return 2 * num_slots * max_len * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
 
-    def admit(self, seq, hidden, first, taps=None):
+    def admit(self, seq, hidden, first, tapped=None):
         """Catch-up over the prompt rows 0..T-1, whose next tokens are x_1..x_{T-1} and the first token."""
         T = hidden.shape[0]
         next_ids = torch.cat([torch.tensor(seq.tokens[1:T], dtype=torch.long, device=hidden.device), first])  # (T,)

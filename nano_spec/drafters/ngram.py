@@ -17,7 +17,7 @@ class NgramProposer:
     def state_bytes(cfg, num_slots: int, max_len: int, dtype) -> int:
         return 0  # host-side: an index of ints per slot
 
-    def admit(self, seq, hidden, first, taps=None):
+    def admit(self, seq, hidden, first, tapped=None):
         self.index[seq.slot] = (0, {})
 
     def catch_up(self, seqs, rows, na):  # the index follows seq.tokens when it drafts

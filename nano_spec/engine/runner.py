@@ -75,9 +75,9 @@ class ModelRunner:
             seed = seq.params.seed if seq.params.seed is not None else int(torch.randint(2**62, ()))
             self.generators[seq.slot] = torch.Generator(device=self.device).manual_seed(seed)
             ids = torch.tensor(seq.tokens, device=self.device)
-            taps = ids.new_empty(len(ids), len(self.taps) * self.cfg.hidden_size, dtype=self.dtype) if self.taps \
+            tapped = ids.new_empty(len(ids), len(self.taps) * self.cfg.hidden_size, dtype=self.dtype) if self.taps \
                 else None  # (T, nT*D)
-            hidden = self.model.prefill(ids, seq.slot, self.cache, taps)  # (T, D)
+            hidden = self.model.prefill(ids, seq.slot, self.cache, tapped)  # (T, D)
             logits = self.model.logits(hidden[-1:])  # (1, V)
             sampling = BatchSampling.of([seq.params], self.device)
             self.sampling.write(seq.slot, sampling)
@@ -86,7 +86,7 @@ class ModelRunner:
             self.seq_lens[seq.slot], self.last[seq.slot] = len(seq.tokens), first[0]
         if self.max_drafts:
             with self.tel.phase("catch_up"):
-                self.proposer.admit(seq, hidden, first, taps)
+                self.proposer.admit(seq, hidden, first, tapped)
         none, refused = self._no_drafts(1)
         return self._results(logits[:, None], first[:, None], none.nd, none, refused, [seq])[0]
 

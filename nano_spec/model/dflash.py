@@ -236,9 +236,9 @@ class DFlashDrafter(nn.Module):
     def _norm(self, x, norm: Norm):
         return self.ops.rmsnorm(x, norm.weight, self.cfg.rms_norm_eps)[0]
 
-    def context(self, taps):
-        """The taps (..., nT*D) -> the context rows c (..., D)."""
-        return self._norm(self.fc(taps), self.hidden_norm)
+    def context(self, tapped):
+        """The tapped rows (..., nT*D) -> the context rows c (..., D)."""
+        return self._norm(self.fc(tapped), self.hidden_norm)
 
     def context_kv(self, i: int, c, positions):
         """Layer i's keys and values of context rows c (B, T, D) at positions (B, T) -> (B, T, Hkv, Dh) each."""
@@ -262,11 +262,11 @@ class DFlashDrafter(nn.Module):
             x = x + layer.mlp(self.ops.rmsnorm(x, layer.post_attention_layernorm.weight, eps)[0])
         return self._norm(x, self.norm)
 
-    def forward(self, x, taps, positions, mask=None):
-        """No cache. x (B, Q, D) the embedded block rows, taps (B, T, nT*D) the context, positions (B, T + Q)
+    def forward(self, x, tapped, positions, mask=None):
+        """No cache. x (B, Q, D) the embedded block rows, tapped (B, T, nT*D) the context, positions (B, T + Q)
         for [context | block]; mask (B or 1, Q, T + Q) bool, True = visible (None: every row sees every key).
         Training stacks several blocks into Q with a mask; a single block with no mask is one draft forward."""
-        c, T = self.context(taps), taps.shape[1]
+        c, T = self.context(tapped), tapped.shape[1]
         ctx_kv = [self.context_kv(i, c, positions[:, :T]) for i in range(len(self.layers))]
         block_pos = positions[:, T:]
         rep = self.cfg.num_attention_heads // self.cfg.num_key_value_heads

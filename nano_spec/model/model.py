@@ -172,9 +172,9 @@ class HybridLM(nn.Module):
         w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(y, w) / self.cfg.logits_scaling
 
-    def _stack(self, h, layers, final_norm: Norm | None, mix, tap=None):
+    def _stack(self, h, layers, final_norm: Norm | None, mix, write_tapped=None):
         """Run decoder layers over the residual stream h (..., D); mix(i, layer, y) is the mixer, and
-        tap(i, h), if given, sees the residual after layer i (a block drafter's context, DESIGN §13).
+        write_tapped(i, h), if given, sees the residual after layer i (a block drafter's context, DESIGN §13).
 
         Each RMSNorm is fused with the residual add before it. Returns the final-normed y, or with
         final_norm None the residual h after the last layer (what the MTP head's callers want).
@@ -188,18 +188,18 @@ class HybridLM(nn.Module):
             if nxt is None:
                 return h + rm * layer.shared_mlp(y)  # the residual add rmsnorm would do, no norm
             y, h = self.ops.rmsnorm(layer.shared_mlp(y), nxt.weight, eps, residual=h, multiplier=rm)
-            if tap is not None:
-                tap(i, h)
+            if write_tapped is not None:
+                write_tapped(i, h)
         return y
 
-    def _tapper(self, index: dict, out):
-        """tap(i, h) for _stack: the residual after layer i into column block index[i] of out (..., nT*D)."""
+    def _tapped_writer(self, index: dict, out):
+        """write_tapped(i, h) for _stack: the residual after layer i into column block index[i] of out (..., nT*D)."""
         D = self.cfg.hidden_size
 
-        def tap(i, h):
+        def write_tapped(i, h):
             if i in index:
                 out[..., index[i] * D : (index[i] + 1) * D] = h
-        return tap if index else None
+        return write_tapped if index else None
 
     def _mamba_out(self, m: Mamba, y, z):
         """y (..., H, P) from the scan, z (..., d_in) -> out_proj(norm(y * silu(z)))."""
@@ -227,9 +227,9 @@ class HybridLM(nn.Module):
         """ids (B, T) -> logits (B, T, V)."""
         return self.logits(self.hidden(ids))
 
-    def hidden(self, ids, taps=(), taps_out=None):
+    def hidden(self, ids, taps=(), tapped_out=None):
         """ids (B, T) -> final-normed hidden (B, T, D), no cache (also the training forward).
-        taps_out (B, T, nT*D), if given, receives the residual after each layer in taps (a drafter's context)."""
+        tapped_out (B, T, nT*D), if given, receives the residual after each layer in taps (a drafter's context)."""
         B, T = ids.shape
         pos = torch.arange(T, device=ids.device)
 
@@ -240,8 +240,9 @@ class HybridLM(nn.Module):
                 return self._mamba_out(layer.mamba, ys, z)
             return self._attend_nocache(layer.self_attn, y, pos)
 
-        tap = None if taps_out is None else self._tapper({layer: i for i, layer in enumerate(taps)}, taps_out)
-        return self._stack(self.embed(ids), self.model.layers, self.model.norm, mix, tap)
+        write = None if tapped_out is None else self._tapped_writer({layer: i for i, layer in enumerate(taps)},
+                                                                    tapped_out)
+        return self._stack(self.embed(ids), self.model.layers, self.model.norm, mix, write)
 
     def _attend_nocache(self, attn: Attention, y, pos):
         """Causal attention over y (B, T, D) with torch's SDPA: an oracle independent of the kernels."""
@@ -253,9 +254,9 @@ class HybridLM(nn.Module):
         return attn.o_proj(o.transpose(1, 2).flatten(2))
 
     # ---- 2. prefill of one prompt into a slot ------------------------------------------------
-    def prefill(self, ids, slot: int, cache: HybridCache, taps_out=None):
+    def prefill(self, ids, slot: int, cache: HybridCache, tapped_out=None):
         """ids (T,) from zero state into cache slot `slot` -> final-normed hidden (T, D).
-        taps_out (T, nT*D), if given, receives the rows of the layers in cache.tap_index."""
+        tapped_out (T, nT*D), if given, receives the rows of the layers in cache.tap_index."""
         def mix(i, layer, y):  # y (T, D)
             if layer.kind == "mamba":
                 m = cache.mamba_index[i]
@@ -267,8 +268,8 @@ class HybridLM(nn.Module):
             a = cache.attn_index[i]
             return self._attend(layer.self_attn, y, cache.k[a], cache.v[a], slot)
 
-        tap = None if taps_out is None else self._tapper(cache.tap_index, taps_out)
-        return self._stack(self.embed(ids), self.model.layers, self.model.norm, mix, tap)
+        write = None if tapped_out is None else self._tapped_writer(cache.tap_index, tapped_out)
+        return self._stack(self.embed(ids), self.model.layers, self.model.norm, mix, write)
 
     # ---- 3. verify: B slots x K rows -----------------------------------------------------------
     def verify(self, ids, slot_ids, seq_lens, cache: HybridCache, kv_len: int | None = None):
@@ -292,8 +293,8 @@ class HybridLM(nn.Module):
             a = cache.attn_index[i]
             return self._attend(layer.self_attn, y, cache.k[a, :, kv], cache.v[a, :, kv], slot_ids, seq_lens)
 
-        tap = self._tapper(cache.tap_index, cache.tap_stash(B, K))
-        y = self._stack(self.embed(ids), self.model.layers, self.model.norm, mix, tap)
+        write = self._tapped_writer(cache.tap_index, cache.tap_stash(B, K))
+        y = self._stack(self.embed(ids), self.model.layers, self.model.norm, mix, write)
         cache.hidden_stash(B, K).copy_(y)
         return self.logits(y)
 
