@@ -97,9 +97,9 @@ def test_mtp_cached_equals_nocache(model):
     kv = mtp_kv(model.cfg, 3, 32)
     o = model.mtp_prefill(ids[0, 1:9], h[0, :8], 1, *kv)
     assert_close("mtp prefill", ref[:8], o)
-    o = model.mtp_step(ids[:, 9:13], h[:, 8:12], torch.tensor([1]), torch.tensor([8]), *kv)
+    o = model.mtp_forward(ids[:, 9:13], h[:, 8:12], torch.tensor([1]), torch.tensor([8]), *kv)
     assert_close("mtp catch-up rows", ref[8:12], o[0])
-    o = model.mtp_step(ids[:, 13:15], h[:, 12:14], torch.tensor([1]), torch.tensor([12]), *kv, kv_len=16)
+    o = model.mtp_forward(ids[:, 13:15], h[:, 12:14], torch.tensor([1]), torch.tensor([12]), *kv, kv_len=16)
     assert_close("mtp rows with kv_len bound", ref[12:14], o[0])
     assert_close("mtp logits", model.mtp_logits(ref[12:14]), model.mtp_logits(o[0]))
 

@@ -19,7 +19,7 @@ def load_script():
 
 def engine_chain(model, ids, h, p, depth):
     """What MTPProposer computes for a sequence whose last accepted row is p, with drafts forced to the
-    true tokens: catch-up rows 0..p, then depth-1 mtp_step calls at positions p+1.. -> [o_1 .. o_depth] (D,)."""
+    true tokens: catch-up rows 0..p, then depth-1 mtp_forward calls at positions p+1.. -> [o_1 .. o_depth] (D,)."""
     kv = mtp_kv(model.cfg, num_slots=2, max_len=64)
     slot = 1
     o = model.mtp_prefill(ids[1:p + 2], h[:p + 1], slot, *kv)[-1:]  # (1, D): catch-up output at p
@@ -27,7 +27,7 @@ def engine_chain(model, ids, h, p, depth):
     slots = torch.tensor([slot])
     for d in range(2, depth + 1):
         pos = torch.tensor([p + d - 1])
-        o = model.mtp_step(ids[p + d].view(1, 1), o[:, None], slots, pos, *kv, kv_len=p + depth + 1)[:, 0]
+        o = model.mtp_forward(ids[p + d].view(1, 1), o[:, None], slots, pos, *kv, kv_len=p + depth + 1)[:, 0]
         outs.append(o[0])
     return outs
 

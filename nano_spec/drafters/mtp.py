@@ -64,12 +64,12 @@ class MTPProposer:
     # ---- the two MTP calls of a step, compiled per bucket under LLM(compile=True) ------------------------
     def _verified(self, tokens, hidden, slots, seq_lens, na, kv_len: int):
         """Catch-up over a verify's K rows (B, K), hidden (B, K, D) -> the new head_out rows (B, D), the rows at na."""
-        o = self.model.mtp_step(tokens, hidden, slots, seq_lens, self.k, self.v, kv_len)
+        o = self.model.mtp_forward(tokens, hidden, slots, seq_lens, self.k, self.v, kv_len)
         return self.model.ops.gather_rows(o, na)
 
     def _next(self, prev, o, slots, positions, kv_len: int):
         """One recursive draft step: draft tokens prev (B,), outputs o (B, D) -> (next o (B, D), logits (B, V))."""
-        o = self.model.mtp_step(prev[:, None], o[:, None], slots, positions, self.k, self.v, kv_len)[:, 0]
+        o = self.model.mtp_forward(prev[:, None], o[:, None], slots, positions, self.k, self.v, kv_len)[:, 0]
         return o, self.model.mtp_logits(o)
 
     def compile(self):

@@ -22,7 +22,7 @@ Entry points:
     forward(ids)                 no cache, the reference: (B, T) -> logits (B, T, V)
     prefill(ids, slot, cache)    one prompt into a cache slot -> final-normed hidden (T, D)
     verify(ids, ...)             B slots x K rows, writes the stashes -> logits (B, K, V)
-    mtp_prefill / mtp_step       the draft head over catch-up rows or single draft rows
+    mtp_prefill / mtp_forward    the draft head over catch-up rows or single draft rows
 """
 import math
 from pathlib import Path
@@ -322,7 +322,7 @@ class HybridLM(nn.Module):
         mix = lambda i, layer, y: self._attend(layer.self_attn, y, k_cache, v_cache, slot)  # noqa: E731
         return self._stack(self._mtp_input(next_ids, h), [self.mtp.layer], None, mix)
 
-    def mtp_step(self, next_ids, h, slot_ids, positions, k_cache, v_cache, kv_len: int | None = None):
+    def mtp_forward(self, next_ids, h, slot_ids, positions, k_cache, v_cache, kv_len: int | None = None):
         """R rows per sequence at MTP positions positions[b] + r: next_ids (B, R), h (B, R, D) -> o (B, R, D).
 
         Catch-up after a verify (R = K) and each recursive draft step (R = 1).

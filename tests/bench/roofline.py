@@ -112,8 +112,8 @@ def verify_items(cfg, B: int, K: int, ctx: int, act: int = 2) -> list:
     ]
 
 
-def mtp_step_items(cfg, B: int, R: int, ctx: int, act: int, calls: int) -> list:
-    """HybridLM.mtp_step over R rows per sequence: the head's input, then its one attention layer."""
+def mtp_forward_items(cfg, B: int, R: int, ctx: int, act: int, calls: int) -> list:
+    """HybridLM.mtp_forward over R rows per sequence: the head's input, then its one attention layer."""
     rows, D = B * R, cfg.hidden_size
     return [
         Item("mtp embedding, cat", calls, rows * 8 + 6 * rows * D * act, 2, "torch"),
@@ -140,10 +140,10 @@ def step_items(cfg, B: int, gamma: int, ctx: int, act: int = 2) -> dict:
     phases = {"verify": verify_items(cfg, B, K, ctx, act)}
     if gamma:
         H, P, N, W = cfg.mamba_n_heads, cfg.mamba_d_head, cfg.mamba_d_state, cfg.mamba_d_conv
-        phases["propose"] = mtp_logits_items(cfg, B, act, gamma) + mtp_step_items(cfg, B, 1, ctx, act, gamma - 1)
+        phases["propose"] = mtp_logits_items(cfg, B, act, gamma) + mtp_forward_items(cfg, B, 1, ctx, act, gamma - 1)
         phases["commit"] = [Item("commit_state", 1, total(commit_state_bytes(len(cfg.mamba_layers), B, K, H, P, N,
                                                                              cfg.conv_dim, W, act)))]
-        phases["catch_up"] = (mtp_step_items(cfg, B, K, ctx, act, 1) +
+        phases["catch_up"] = (mtp_forward_items(cfg, B, K, ctx, act, 1) +
                               [Item("gather_rows", 1, total(gather_rows_bytes(B, cfg.hidden_size, act)))])
     return phases
 
