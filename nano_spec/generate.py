@@ -203,8 +203,8 @@ def print_outputs(args, llm, outs: list):
 def print_stats(st: dict, good: list, elapsed: float):
     n_tokens = sum(len(o.token_ids) for o in good)
     rate = f"tokens/s {n_tokens / elapsed:.1f}  " if n_tokens else "tokens/s -  "  # failed requests do not count
-    print(f"{rate}tau {st['tau']:.3f}  accept_at {[round(a, 3) for a in st['accept_at']]}  "
-          f"verify steps {st['verify_steps']}", file=sys.stderr)
+    accept = ", ".join(f"{a:.3f}" if tried else "not tried" for a, tried in zip(st["accept_at"], st["drafted_at"]))
+    print(f"{rate}tau {st['tau']:.3f}  accept_at [{accept}]  verify steps {st['verify_steps']}", file=sys.stderr)
     print("  threads " + ", ".join(f"{n} ({steps} steps)" for n, steps in st["threads"].items()), file=sys.stderr)
     if st["compile_seconds"]:
         print(f"  compile {st['compile_seconds']:.1f} s (first calls of the compiled graphs)", file=sys.stderr)

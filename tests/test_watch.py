@@ -109,3 +109,18 @@ def test_trace_has_one_line_per_step_and_sequence():
         assert sum(n for *_, n in lines) == len(row["token_ids"])  # every emitted token is on a trace line
         assert sum(min(na, n) for _, _, na, n in lines) == row["origins"].count("draft")
         assert all(na <= nd for _, nd, na, _ in lines)
+
+
+def test_stats_tell_a_position_never_tried_from_one_never_accepted(capsys):
+    """Under auto a planner that only ever picks γ <= 1 leaves drafts 2..4 untried: --stats says "not tried" there,
+    while a tried position keeps its rate, however low."""
+    from nano_spec.generate import print_stats
+
+    llm = LLM(proposer="mtp", num_drafts="auto", max_batch=1)  # the shipped weights
+    llm.scheduler.planner.choose = lambda B: 1
+    out = llm.generate("def f(x):", SamplingParams(max_new_tokens=12, ignore_eos=True))[0]
+    st = llm.stats
+    assert st["drafted_at"][0] == st["verify_steps"] and st["drafted_at"][1:] == [0, 0, 0]
+    print_stats(st, [out], 1.0)
+    line = capsys.readouterr().err.splitlines()[0]
+    assert f"accept_at [{st['accept_at'][0]:.3f}, not tried, not tried, not tried]" in line, line

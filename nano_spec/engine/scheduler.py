@@ -199,7 +199,7 @@ class Scheduler:
                 break
         seq.verify_steps += 1
         seq.verified_tokens += r.na + 1
-        self.tel.record_verify(r.na, len(seq.tokens) - before, seq_len, seq.constraint is not None)
+        self.tel.record_verify(r.na, len(seq.tokens) - before, seq_len, seq.constraint is not None, len(r.drafts))
         return StepRow(seq.id, r.drafts, r.na, seq.tokens[before:], seq.finish_reason)
 
     def _end(self, seq: Sequence, error: str):

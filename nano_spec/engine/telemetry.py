@@ -4,6 +4,8 @@ the number of steps). Time comes from an injected clock so tests can drive it.
 
     tau          = Σ (na + 1) / verify steps           tokens each verify produced, bonus included
     accept_at[j] = #(verify steps with na > j) / verify steps
+    drafted_at[j] = #(verify steps with nd > j): steps that tried draft j + 1 (0: never tried, so
+                   accept_at[j] = 0 says nothing about the drafter)
 so tau = 1 + Σ_j accept_at[j] exactly. On the step where a sequence finishes it may
 emit fewer than na + 1 tokens; `emitted` counts what was emitted. `constrained` holds
 tau and accept_at of the requests with a grammar alone.
@@ -42,6 +44,7 @@ class Telemetry:
         self.verified = 0                     # Σ (na + 1)
         self.emitted = 0                      # tokens emitted by verify steps
         self.accepted_gt = [0] * self.max_drafts  # steps with na > j
+        self.drafted_gt = [0] * self.max_drafts   # steps with nd > j
         self.by_bucket = defaultdict(lambda: [0, [0] * self.max_drafts])  # bucket -> [steps, accepted_gt]
         self.propose_failures = 0             # drafting faults; those sequences went on without drafts
         self.constrained = [0, 0, [0] * self.max_drafts]  # requests with a grammar: steps, Σ (na + 1), na > j
@@ -67,9 +70,11 @@ class Telemetry:
         """Seconds spent in the proposer so far: drafting and catching up."""
         return self.phase_seconds["propose"] + self.phase_seconds["catch_up"]
 
-    def record_verify(self, na: int, emitted: int, seq_len: int, constrained: bool = False):
-        """One sequence's verdict: na accepted drafts, of which `emitted` tokens were emitted."""
+    def record_verify(self, na: int, emitted: int, seq_len: int, constrained: bool = False, nd: int = 0):
+        """One sequence's verdict: na accepted drafts of nd, of which `emitted` tokens were emitted."""
         self.verify_steps += 1
+        for j in range(min(nd, self.max_drafts)):
+            self.drafted_gt[j] += 1
         self.verified += na + 1
         self.emitted += emitted
         b = self.by_bucket[bucket_label(seq_len)]
@@ -92,6 +97,7 @@ class Telemetry:
         return {
             "tau": self.verified / max(self.verify_steps, 1),
             "accept_at": self.accept_at,
+            "drafted_at": list(self.drafted_gt),
             "verify_steps": self.verify_steps,
             "emitted": self.emitted,
             "propose_failures": self.propose_failures,
