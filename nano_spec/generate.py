@@ -151,6 +151,9 @@ def run(args) -> int:
                   drafter=None if args.no_spec else args.drafter)
         if args.trace:
             llm.on_step = tracer(llm.tokenizer)
+        llm.watch_compile(lambda what, n, most, threads: print(
+            f"compiling: {what}, graph {n}{'' if most is None else f' of at most {most}'} at {threads} thread(s) "
+            "(once per shape bucket; later runs read inductor's on-disk cache)", file=sys.stderr, flush=True))
         t0 = time.perf_counter()
         if len(prompts) == 1 and not (args.json or args.show_drafts):
             # validates the request before anything is printed; a chat prints the reply only
@@ -202,12 +205,14 @@ def print_outputs(args, llm, outs: list):
 
 def print_stats(st: dict, good: list, elapsed: float):
     n_tokens = sum(len(o.token_ids) for o in good)
-    rate = f"tokens/s {n_tokens / elapsed:.1f}  " if n_tokens else "tokens/s -  "  # failed requests do not count
+    seconds = max(elapsed - st["compile_seconds"], 1e-9)  # generation alone: compiling a graph is not decoding
+    rate = f"tokens/s {n_tokens / seconds:.1f}  " if n_tokens else "tokens/s -  "  # failed requests do not count
     accept = ", ".join(f"{a:.3f}" if tried else "not tried" for a, tried in zip(st["accept_at"], st["drafted_at"]))
     print(f"{rate}tau {st['tau']:.3f}  accept_at [{accept}]  verify steps {st['verify_steps']}", file=sys.stderr)
     print("  threads " + ", ".join(f"{n} ({steps} steps)" for n, steps in st["threads"].items()), file=sys.stderr)
     if st["compile_seconds"]:
-        print(f"  compile {st['compile_seconds']:.1f} s (first calls of the compiled graphs)", file=sys.stderr)
+        print(f"  compile {st['compile_seconds']:.1f} s (first calls of the compiled graphs; not in tokens/s)",
+              file=sys.stderr)
     print(f"  max_seq_len {st['max_seq_len']}  weights + caches {st['memory_bytes'] / 2**30:.2f} GiB of a "
           f"{st['memory_budget'] / 2**30:.2f} GiB budget", file=sys.stderr)
     for bucket, b in st["accept_at_by_seq_len"].items():

@@ -174,3 +174,52 @@ def test_compiled_accept_rule_equals_eager(case):
         got = rule(ops, logits, drafts, nd, sampling, q, u, bitmask)
         assert [t.tolist() for t in got] == [t.tolist() for t in want], (case, B, K)
     assert rule.seconds > 0
+
+
+def test_each_graph_is_announced_before_it_compiles(ckpt):
+    """watch_compile hears every graph once, before its first call, with the call's name, its count and the most
+    its buckets allow; a warm engine compiles and says nothing."""
+    llm = LLM(ckpt, compile=True, proposer="mtp", num_drafts=3, max_batch=3, backend="torch", device="cpu",
+              max_seq_len=96)
+    heard = []
+    llm.watch_compile(lambda what, n, most, threads: heard.append((what, n, most, llm.runner.compile_seconds())))
+    tokens(llm, PROMPTS[:2], GREEDY)
+    calls = {c.label: c for c in llm.runner.compiled_calls()}
+    assert {what for what, *_ in heard} == set(calls) == {"verify", "MTP catch-up", "MTP draft step"}
+    for what, call in calls.items():
+        ns = [n for w, n, *_ in heard if w == what]
+        assert ns == list(range(1, len(call.seen) + 1)) and all(n <= call.most for n in ns), (what, ns)
+    assert heard[0][3] == 0.0  # heard before the first graph's compile time was counted
+    before = len(heard)
+    tokens(llm, PROMPTS[:2], GREEDY)
+    assert len(heard) == before
+
+
+def test_stats_tokens_per_second_leave_compile_time_out(ckpt, capsys):
+    from nano_spec.generate import print_stats
+
+    llm = LLM(ckpt, proposer="none", num_drafts=0, max_batch=1, backend="torch", device="cpu", max_seq_len=96)
+    outs = llm.generate(PROMPTS[:1], GREEDY)
+    st = dict(llm.stats, compile_seconds=8.0)
+    print_stats(st, outs, 10.0)  # 10 s in all, 8 of them compiling
+    err = capsys.readouterr().err
+    assert err.startswith(f"tokens/s {len(outs[0].token_ids) / 2.0:.1f} ") and "compile 8.0 s" in err, err
+
+
+def test_another_thread_count_is_a_compile_the_engine_sees(ckpt):
+    """Inductor's CPU graphs are made for one thread count: a step at another count compiles anew. The engine
+    counts that as a compile (announced, timed, kept from the planner and the thread tuner), not as a slow step."""
+    llm = LLM(ckpt, compile=True, proposer="none", num_drafts=0, max_batch=1, backend="torch", device="cpu",
+              max_seq_len=96)
+    tokens(llm, PROMPTS[:1], GREEDY)
+    heard, before = [], llm.runner.compile_seconds()
+    llm.watch_compile(lambda what, n, most, threads: heard.append((what, n, threads)))
+    llm.threads.current = llm.threads.other = 2  # as the thread tuner would, for a probe
+    try:
+        assert tokens(llm, PROMPTS[:1], GREEDY) == tokens(LLM(ckpt, proposer="none", num_drafts=0, max_batch=1,
+                                                             backend="torch", device="cpu", max_seq_len=96),
+                                                         PROMPTS[:1], GREEDY)
+    finally:
+        torch.set_num_threads(1)
+    assert heard and {t for *_, t in heard} == {2} and heard[0][1] == 1 and llm.runner.compile_seconds() > before
+

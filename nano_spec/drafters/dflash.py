@@ -79,4 +79,4 @@ class DFlashProposer:
 
         static_buffers(self.k, self.v, self.last, self.ctx_len)
         S, L = self.k.shape[1:3]
-        self.compiled = Bucketed(self._block, 1, S, L, self.max_drafts, self.k.device)
+        self.compiled = Bucketed(self._block, 1, S, L, self.max_drafts, self.k.device, "DFlash block")

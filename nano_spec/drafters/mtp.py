@@ -79,8 +79,9 @@ class MTPProposer:
         use_compiled_ops(self.model)
         static_buffers(self.k, self.v)
         S, L = self.k.shape[:2]
-        self.compiled = {"_verified": Bucketed(self._verified, 5, S, L, self.max_drafts + 1, self.k.device),
-                         "_next": Bucketed(self._next, 4, S, L, 1, self.k.device)}
+        self.compiled = {"_verified": Bucketed(self._verified, 5, S, L, self.max_drafts + 1, self.k.device,
+                                               "MTP catch-up"),
+                         "_next": Bucketed(self._next, 4, S, L, 1, self.k.device, "MTP draft step")}
 
     def _call(self, name: str, *args, kv_len: int):
         """self.<name>(*args, kv_len), through its compiled buckets once compile() has run."""

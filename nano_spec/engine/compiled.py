@@ -128,19 +128,28 @@ class Timed:
     On CUDA every call starts a new step of the CUDA graphs, after which an earlier replay's outputs may
     be overwritten; so the outputs are copied out of the graphs' memory (a few small tensors a call)."""
 
-    def __init__(self, device):
+    def __init__(self, device, label: str, most: int | None = None):
         self.seconds, self.seen, self.cuda = 0.0, set(), torch.device(device).type == "cuda"
+        # listener(label, n, most, threads), if set, hears of each graph before it compiles: the call, its nth graph
+        # at this thread count, the most graphs its buckets allow (None: no bound), and the thread count
+        self.label, self.most, self.listener = label, most, None
         # dynamo's settings for these calls only, not the process's: every bucket of every engine is one more
         # entry of fn's code object, and a hit limit is an error rather than a silent fall back to eager
         self.scope = torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True)
 
     def timed(self, key, fn, *args):
+        # inductor's CPU code is made for one thread count: another count compiles the graph again, so it is part
+        # of the key (a graph compiled at 2 threads is a compile, announced, timed and kept from the planner)
+        threads = torch.get_num_threads()
+        key = (threads, key)
         if self.cuda:
             torch.compiler.cudagraph_mark_step_begin()
         with self.scope:  # ~10 us a call
             if key in self.seen:
                 out = fn(*args)
             else:
+                if self.listener is not None:
+                    self.listener(self.label, 1 + sum(t == threads for t, _ in self.seen), self.most, threads)
                 t0 = time.perf_counter()
                 out = fn(*args)  # compiles the graph, or loads it from the on-disk cache
                 self.seen.add(key)
@@ -167,8 +176,11 @@ class Bucketed(Timed):
     rounded up to its bucket. Every tensor in the output (a tensor or a tuple of them) is cut back to B rows;
     what fn writes into buffers is written at Bp rows (the padding rows write what row 0 writes)."""
 
-    def __init__(self, fn, batched: int, num_slots: int, kv_max: int, max_k: int, device):
-        super().__init__(device)
+    def __init__(self, fn, batched: int, num_slots: int, kv_max: int, max_k: int, device, label: str):
+        kv_least = min(KV_MIN, kv_max)
+        n_buckets = len({bucket(n, 1, num_slots) for n in range(1, num_slots + 1)}) * max_k * \
+            len({bucket(n, kv_least, kv_max) for n in range(1, kv_max + 1, kv_least)} | {kv_max})
+        super().__init__(device, label, n_buckets)
         self.batched, self.num_slots, self.kv_max = batched, num_slots, kv_max
         self.fn = compile_fn(fn, device, dynamic=False)
 
@@ -191,7 +203,7 @@ def compiled_verify(model, cache: HybridCache) -> Bucketed:
     use_compiled_ops(model)
     static_buffers(cache.k, cache.v, cache.conv_state, cache.ssm_state, cache._ssm_stash, cache._conv_stash,
                    cache._hidden_stash, cache._tap_stash)
-    return Bucketed(model.verify, 3, cache.num_slots, cache.k.shape[2], cache.max_k, cache.k.device)
+    return Bucketed(model.verify, 3, cache.num_slots, cache.k.shape[2], cache.max_k, cache.k.device, "verify")
 
 
 def use_compiled_ops(model):
@@ -206,7 +218,7 @@ class CompiledAcceptRule(Timed):
     recompiles it once as a graph over any batch and K."""
 
     def __init__(self, device):
-        super().__init__(device)
+        super().__init__(device, "accept rule")
         self.fn = compile_fn(accept_rule, device, dynamic=None)
 
     def __call__(self, ops, logits, drafts, nd, sampling, q=None, uniforms=None, bitmask=None):

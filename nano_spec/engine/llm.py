@@ -81,6 +81,13 @@ class LLM:
         self.on_step = on_step
         self._lock, self._owner, self._callers, self._cancelled = threading.Lock(), None, {}, deque()
 
+    def watch_compile(self, listener):
+        """listener(what, n, most, threads) before each graph of a compiled call compiles: the call ("verify",
+        "MTP catch-up", ...), its nth graph at this CPU thread count, the most graphs its buckets allow (None: no
+        bound), and the thread count (inductor compiles for one). A no-op when eager."""
+        for call in self.runner.compiled_calls():
+            call.listener = listener
+
     # ---- driving the engine from any number of threads --------------------------------------------
     @contextmanager
     def _locked(self):

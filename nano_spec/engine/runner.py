@@ -133,11 +133,15 @@ class ModelRunner:
         with phase("copy"):
             return self._results(logits, emitted, na, drafts, refused, seqs)
 
-    def compile_seconds(self) -> float:
-        """Time spent compiling (or loading from the on-disk cache) the graphs of this engine's compiled calls."""
+    def compiled_calls(self) -> list:
+        """This engine's compiled calls (none when eager), each Timed."""
         parts = [self.compiled, self.accept_rule, getattr(self.proposer, "compiled", None)]
         parts = [x for p in parts for x in (p.values() if isinstance(p, dict) else [p])]
-        return sum(p.seconds for p in parts if isinstance(p, Timed))
+        return [p for p in parts if isinstance(p, Timed)]
+
+    def compile_seconds(self) -> float:
+        """Time spent compiling (or loading from the on-disk cache) the graphs of this engine's compiled calls."""
+        return sum(p.seconds for p in self.compiled_calls())
 
     # ---- helpers -------------------------------------------------------------------
     def _no_drafts(self, B: int) -> tuple:
