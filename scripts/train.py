@@ -27,12 +27,9 @@ import copy
 import functools
 import json
 import math
-import os
 import random
-import shutil
 import sys
 import sysconfig
-import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -52,7 +49,7 @@ from nano_spec.engine import threads as engine_threads  # noqa: E402  (the name 
 from nano_spec.model.config import ModelConfig  # noqa: E402
 from nano_spec.model.model import HybridLM  # noqa: E402
 from nano_spec.model.ops import Ops  # noqa: E402
-from nano_spec.model.weights import write_model  # noqa: E402
+from nano_spec.model.weights import replace_dir, write_model  # noqa: E402
 
 EOS = "<|endoftext|>"
 LOG_FILE = "train_log.json"
@@ -234,37 +231,6 @@ def require_finite(step: int, tensors: dict):
         if not torch.isfinite(t).all():
             raise Diverged(f"training diverged: non-finite {name} at step {step}; try a lower --lr "
                            "(the output directory is left as it was)")
-
-
-def replace_dir(out: Path, fill):
-    """out <- the directory fill(tmp) writes, so that an interruption at any point leaves the old output or the new
-    one, never neither: the new one is written beside out (the same file system, so each move is one rename), the
-    old one moved aside, the new one moved in, then the old one deleted.
-
-    What an interrupted earlier call left beside out: half-written temporaries are deleted; the aside copy is a
-    stale one when out exists (killed while deleting it), else the old output itself (killed between the two
-    moves), which stays until the new one is in place and goes back to out when this call fails too."""
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    aside, prefix = out.parent / f".{out.name}.old", f".{out.name}.new-"
-    for p in out.parent.iterdir():
-        if p.name.startswith(prefix):
-            shutil.rmtree(p)
-    if aside.exists() and out.exists():
-        shutil.rmtree(aside)
-    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=out.parent))
-    try:
-        fill(tmp)
-        if out.exists():
-            os.replace(out, aside)
-        os.replace(tmp, out)
-    except BaseException:
-        if aside.exists() and not out.exists():
-            os.replace(aside, out)
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if aside.exists():
-        shutil.rmtree(aside)
 
 
 def check_out(flag: str, path: Path, log_file: str, script: str):

@@ -31,7 +31,7 @@ The held-out windows are evaluated (loss, agreement by position) before and afte
 same anchors both times; with none (--eval-windows 0) nothing is evaluated and the log's held_out is null.
 
 --out gets the drafter as nano_spec.model.dflash.load_drafter reads it (config.json with dflash_config,
-model.safetensors in the base's stored dtype) and dflash_train_log.json, swapped in together (train.replace_dir):
+model.safetensors in the base's stored dtype) and dflash_train_log.json, swapped in together (nano_spec.model.weights.replace_dir):
 an interrupted save leaves the old output or the new one. A NaN or infinite loss or weight stops the run with
 exit 1 and one line, and writes nothing.
 The engine looks for a checkpoint's drafter in <checkpoint>/dflash/, so `--out BASE/dflash` is the
@@ -56,7 +56,7 @@ from arg_types import Parser, device, existing_path, indices, integer, learning_
 from nano_spec.model import ssd  # noqa: E402
 from nano_spec.model.config import ModelConfig  # noqa: E402
 from nano_spec.model.dflash import DFlashConfig, DFlashDrafter  # noqa: E402
-from nano_spec.model.weights import stored_dtype, write_model
+from nano_spec.model.weights import replace_dir, stored_dtype, write_model
 from nano_spec.model.model import load_model  # noqa: E402
 
 LOG_FILE = "dflash_train_log.json"
@@ -220,7 +220,7 @@ def main(argv=None) -> int:
 
 def write_drafter(drafter: DFlashDrafter, out: Path, log: dict, dtype: torch.dtype):
     """out <- config.json + model.safetensors (nano_spec.model.weights.write_model, in dtype) + LOG_FILE, swapped in
-    atomically (train.replace_dir); a drafter with a NaN or an infinity is refused (train.Diverged), out left as
+    atomically (nano_spec.model.weights.replace_dir); a drafter with a NaN or an infinity is refused (train.Diverged), out left as
     it is."""
     stored = copy.deepcopy(drafter).to("cpu", dtype)  # the trained drafter stays fp32 on its device
     base_train.require_finite(log["steps"], stored.state_dict())  # as stored: fp16 turns a huge finite weight into inf
@@ -228,7 +228,7 @@ def write_drafter(drafter: DFlashDrafter, out: Path, log: dict, dtype: torch.dty
     def fill(tmp: Path):
         write_model(stored, tmp)
         (tmp / LOG_FILE).write_text(json.dumps(log, indent=1) + "\n", encoding="utf-8")
-    base_train.replace_dir(out, fill)
+    replace_dir(out, fill)
 
 
 def run(args, base: Path, out: Path, cfg: ModelConfig, dcfg: DFlashConfig, data: tuple):

@@ -43,7 +43,7 @@ plus mtp.safetensors (the head only, in the base's stored dtype), config.json wi
 num_nextn_predict_layers: 1 and mtp_train_log.json; load_model reads the base and
 head files together. --save-at M writes the same at M minutes of training to
 OUT-Mmin. --minutes counts training-step time only (evaluations and saves excluded).
-Each is swapped in whole (train.replace_dir): an interrupted save leaves the old output or the new one.
+Each is swapped in whole (nano_spec.model.weights.replace_dir): an interrupted save leaves the old output or the new one.
 A NaN or infinite loss or head weight stops the run with exit 1 and one line; nothing more is written.
 """
 import dataclasses
@@ -68,7 +68,7 @@ from nano_spec_kernels.common import apply_rope_ref  # noqa: E402
 from nano_spec.model import ssd  # noqa: E402
 from nano_spec.model.config import ModelConfig  # noqa: E402
 from nano_spec.model.model import MTPHead  # noqa: E402
-from nano_spec.model.weights import HEAD_FILE, stored_dtype
+from nano_spec.model.weights import HEAD_FILE, replace_dir, stored_dtype
 from nano_spec.model.model import load_model  # noqa: E402
 
 LOG_FILE = "mtp_train_log.json"
@@ -245,7 +245,7 @@ def link_or_copy(src: Path, dst: Path):
 
 def write_checkpoint(model, base: Path, out: Path, log: dict, save_dtype: torch.dtype):
     """out <- the base's files untouched + mtp.safetensors + config.json (num_nextn_predict_layers: 1), swapped in
-    atomically (train.replace_dir); a head with a NaN or an infinity is refused (train.Diverged), out left as it is."""
+    atomically (nano_spec.model.weights.replace_dir); a head with a NaN or an infinity is refused (train.Diverged), out left as it is."""
     head = {f"mtp.{n}": t.detach().to("cpu", save_dtype).contiguous() for n, t in model.mtp.state_dict().items()}
     base_train.require_finite(log["steps"], head)  # as stored: fp16 turns a huge finite weight into inf
 
@@ -258,7 +258,7 @@ def write_checkpoint(model, base: Path, out: Path, log: dict, save_dtype: torch.
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
         save_file(head, str(tmp / HEAD_FILE), metadata={"format": "pt"})
         (tmp / LOG_FILE).write_text(json.dumps(log, indent=1) + "\n", encoding="utf-8")
-    base_train.replace_dir(out, fill)
+    replace_dir(out, fill)
 
 
 def snapshot_path(out: Path, minutes: float) -> Path:

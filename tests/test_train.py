@@ -91,7 +91,7 @@ def test_train_smoke(tmp_path):
     assert logits.shape == (1, min(20, len(ids)), model.cfg.vocab_size) and torch.isfinite(logits).all()
 
 
-# ---- the atomic output swap (scripts/train.py replace_dir, used by train_mtp.py and train_dflash.py) --------------
+# ---- the atomic output swap (nano_spec/model/weights.py replace_dir: save_model and the training scripts) -------
 OLD = {"config.json": b"old config", "sub/weights.bin": b"old weights"}
 NEW = {"config.json": b"new config", "weights.bin": b"new weights", "log.json": b"new log"}
 
@@ -115,9 +115,8 @@ def test_replace_dir_any_interruption_leaves_the_old_or_the_new_output(tmp_path,
     """Every file-system step of a save (and the writing) interrupted in turn. `interrupt`: that step raises and the
     save's own clean-up runs; `kill`: every step from it on fails too, as if the process died there. Either way the
     old output or the new one survives complete; the next save restores or clears what was left beside --out."""
-    from helpers import load_script
+    from nano_spec.model.weights import replace_dir
 
-    train = load_script("train")
     real = {"replace": os.replace, "rmtree": shutil.rmtree}
     seen = set()
     for k in range(1, 50):
@@ -140,7 +139,7 @@ def test_replace_dir_any_interruption_leaves_the_old_or_the_new_output(tmp_path,
         monkeypatch.setattr(os, "replace", patched("replace"))
         monkeypatch.setattr(shutil, "rmtree", patched("rmtree"))
         try:
-            train.replace_dir(out, lambda d: write_tree(d, NEW, hit))
+            replace_dir(out, lambda d: write_tree(d, NEW, hit))
             finished = True
         except KeyboardInterrupt:
             finished = False
@@ -158,9 +157,9 @@ def test_replace_dir_any_interruption_leaves_the_old_or_the_new_output(tmp_path,
             raise OSError("disk full")
 
         with pytest.raises(OSError, match="disk full"):  # the next save fails while writing: the survivor stays
-            train.replace_dir(out, fail)
+            replace_dir(out, fail)
         assert tree(out) in (OLD, NEW) and [p.name for p in out.parent.iterdir()] == ["out"], (k, steps)
-        train.replace_dir(out, lambda d: write_tree(d, NEW))
+        replace_dir(out, lambda d: write_tree(d, NEW))
         assert tree(out) == NEW and [p.name for p in out.parent.iterdir()] == ["out"], (k, steps)
     assert finished and seen >= {"fill", "replace", "rmtree"}, seen
 

@@ -107,6 +107,11 @@ def bucket(n: int, least: int, most: int) -> int:
     return min(max(1 << (n - 1).bit_length(), least), most)
 
 
+def buckets(least: int, most: int) -> set:
+    """Every bucket of n in [1, most]."""
+    return {bucket(n, least, most) for n in range(1, most + 1)}
+
+
 def compile_options() -> dict:
     """torch.compile's settings for every compiled call. The weights are fixed for an engine's life, so the
     guards skip the modules' attributes: checking every parameter on each call cost ~0.3 ms. Inductor keeps a
@@ -177,10 +182,7 @@ class Bucketed(Timed):
     what fn writes into buffers is written at Bp rows (the padding rows write what row 0 writes)."""
 
     def __init__(self, fn, batched: int, num_slots: int, kv_max: int, max_k: int, device, label: str):
-        kv_least = min(KV_MIN, kv_max)
-        n_buckets = len({bucket(n, 1, num_slots) for n in range(1, num_slots + 1)}) * max_k * \
-            len({bucket(n, kv_least, kv_max) for n in range(1, kv_max + 1, kv_least)} | {kv_max})
-        super().__init__(device, label, n_buckets)
+        super().__init__(device, label, len(buckets(1, num_slots)) * max_k * len(buckets(min(KV_MIN, kv_max), kv_max)))
         self.batched, self.num_slots, self.kv_max = batched, num_slots, kv_max
         self.fn = compile_fn(fn, device, dynamic=False)
 

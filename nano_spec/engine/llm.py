@@ -62,7 +62,7 @@ class LLM:
         c, self.cache_bytes = capacity.fit(EngineConfig.resolve(
             model, backend, device, dtype, max_batch, num_drafts, proposer, max_seq_len, memory_budget, threads,
             compile, drafter))
-        self.config, self.max_seq_len, self.memory_budget = c, c.max_seq_len, c.memory_budget
+        self.config = c
         self.tokenizer = Tokenizer(c.path, c.cfg)  # checked before the weights are read
         self.chat_template = ChatTemplate(c.path)
         self.grammars = Grammars(c.path / "tokenizer.json", c.cfg.vocab_size, self.tokenizer.eos_ids)
@@ -80,6 +80,14 @@ class LLM:
         self.scheduler = Scheduler(self.runner, self.tokenizer, c.max_seq_len, self.planner, self.threads)
         self.on_step = on_step
         self._lock, self._owner, self._callers, self._cancelled = threading.Lock(), None, {}, deque()
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.config.max_seq_len
+
+    @property
+    def memory_budget(self) -> int:
+        return self.config.memory_budget
 
     def watch_compile(self, listener):
         """listener(what, n, most, threads) before each graph of a compiled call compiles: the call ("verify",

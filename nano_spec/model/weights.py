@@ -123,26 +123,48 @@ def load_tensors(module, path: Path, stored: dict, device, dtype):
 
 def write_model(model, directory):
     """Write config.json (model.cfg.to_dict()) + model.safetensors into an existing directory: a HybridLM, or a
-    drafter (nano_spec/model/dflash.py). For a caller that swaps the directory in itself (scripts/train.py replace_dir)."""
+    drafter (nano_spec/model/dflash.py). save_model and the training scripts swap it in with replace_dir."""
     directory = Path(directory)
     (directory / "config.json").write_text(json.dumps(model.cfg.to_dict(), indent=2) + "\n", encoding="utf-8")
     state = {n: t.detach().contiguous().cpu() for n, t in model.state_dict().items()}
     save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
 
 
-def save_model(model, path, extra_files: dict | None = None):
-    """write_model (+ extra files, name -> source path) into a new directory beside path, which then replaces
-    path."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+def replace_dir(out: Path, fill):
+    """out <- the directory fill(tmp) writes, so that an interruption at any point leaves the old output or the new
+    one, never neither: the new one is written beside out (the same file system, so each move is one rename), the
+    old one moved aside, the new one moved in, then the old one deleted.
+
+    What an interrupted earlier call left beside out: half-written temporaries are deleted; the aside copy is a
+    stale one when out exists (killed while deleting it), else the old output itself (killed between the two
+    moves), which stays until the new one is in place and goes back to out when this call fails too."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    aside, prefix = out.parent / f".{out.name}.old", f".{out.name}.new-"
+    for p in out.parent.iterdir():
+        if p.name.startswith(prefix):
+            shutil.rmtree(p)
+    if aside.exists() and out.exists():
+        shutil.rmtree(aside)
+    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=out.parent))
     try:
+        fill(tmp)
+        if out.exists():
+            os.replace(out, aside)
+        os.replace(tmp, out)
+    except BaseException:
+        if aside.exists() and not out.exists():
+            os.replace(aside, out)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if aside.exists():
+        shutil.rmtree(aside)
+
+
+def save_model(model, path, extra_files: dict | None = None):
+    """write_model (+ extra files, name -> source path) into path, swapped in whole (replace_dir)."""
+    def fill(tmp: Path):
         write_model(model, tmp)
         for name, src in (extra_files or {}).items():
             shutil.copyfile(src, tmp / name)
-        if path.exists():
-            shutil.rmtree(path)
-        os.replace(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    replace_dir(path, fill)
