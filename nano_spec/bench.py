@@ -36,7 +36,7 @@ from nano_spec.bench_baselines import LlamaCpp, Transformers
 from nano_spec.cli import check_threads, read_schema
 from nano_spec.engine.llm import LLM
 from nano_spec.engine.settings import shipped_weights
-from nano_spec.engine.sampling import SamplingParams
+from nano_spec.model.sampling import SamplingParams
 
 # the README's benchmark targets: (row, goal, measured value from {batch: {config: row}}); all are "value >= goal"
 TARGETS = (
@@ -124,7 +124,7 @@ def parse_args(argv):
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--gammas", type=int, nargs="+", default=[1, 2, 3, 4])
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 16])
-    p.add_argument("--no-ngram", action="store_true", help="skip the n-gram proposer")
+    p.add_argument("--no-ngram", action="store_true", help="skip the n-gram drafter")
     p.add_argument("--no-auto", action="store_true", help="skip num_drafts=auto")
     p.add_argument("--dflash-gammas", type=int, nargs="+",
                    help="budgets of the DFlash drafter (default: 1 .. block_size - 1, and auto unless --no-auto)")

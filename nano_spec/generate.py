@@ -132,7 +132,7 @@ def main(argv=None) -> int:
 
 def run(args) -> int:
     from nano_spec.engine.llm import LLM  # after argparse: --help stays instant
-    from nano_spec.engine.sampling import SamplingParams
+    from nano_spec.model.sampling import SamplingParams
 
     try:
         check_threads(args.threads)

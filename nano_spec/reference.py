@@ -12,7 +12,7 @@ import torch
 
 def ngram_lookup(tokens: list, gamma: int, max_n: int = 3) -> list:
     """Up to γ tokens that followed the latest earlier occurrence of the longest matching suffix: the plain scan
-    (the engine's NgramProposer finds the same through its index)."""
+    (the engine's NgramDrafter finds the same through its index)."""
     L = len(tokens)
     for n in range(min(max_n, L - 1), 0, -1):
         tail = tokens[L - n :]

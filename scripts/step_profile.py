@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from nano_spec.engine.llm import LLM
 from nano_spec.engine.settings import shipped_weights
-from nano_spec.engine.sampling import SamplingParams
+from nano_spec.model.sampling import SamplingParams
 
 
 class ProfiledOps:

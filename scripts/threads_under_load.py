@@ -22,7 +22,7 @@ import torch
 
 from nano_spec.engine.llm import LLM
 from nano_spec.engine.settings import shipped_weights
-from nano_spec.engine.sampling import SamplingParams
+from nano_spec.model.sampling import SamplingParams
 
 
 def spin():

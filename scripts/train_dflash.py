@@ -55,7 +55,7 @@ from arg_types import Parser, device, existing_path, indices, integer, learning_
 
 from nano_spec.model import ssd  # noqa: E402
 from nano_spec.model.config import ModelConfig  # noqa: E402
-from nano_spec.model.dflash import DFlashConfig, DFlashDrafter  # noqa: E402
+from nano_spec.model.dflash import DFlashConfig, DFlashModel  # noqa: E402
 from nano_spec.model.weights import replace_dir, stored_dtype, write_model
 from nano_spec.model.model import load_model  # noqa: E402
 
@@ -78,7 +78,7 @@ def block_mask(anchors: torch.Tensor, T: int, Bk: int) -> torch.Tensor:
     return torch.cat([ctx.repeat_interleave(Bk, dim=1), own], dim=2)
 
 
-def stacked_draft(drafter: DFlashDrafter, embed_tokens, ids, taps, anchors) -> torch.Tensor:
+def stacked_draft(drafter: DFlashModel, embed_tokens, ids, taps, anchors) -> torch.Tensor:
     """The blocks of every anchor in one drafter forward. ids (B, T), taps (B, T, nT*D), anchors (B, n)
     -> the drafter's final-normed hidden (B, n, Bk, D); [:, k, j] drafts x_{anchors[:, k] + j}."""
     cfg, (B, T), n = drafter.cfg, ids.shape, anchors.shape[1]
@@ -218,7 +218,7 @@ def main(argv=None) -> int:
     return 0
 
 
-def write_drafter(drafter: DFlashDrafter, out: Path, log: dict, dtype: torch.dtype):
+def write_drafter(drafter: DFlashModel, out: Path, log: dict, dtype: torch.dtype):
     """out <- config.json + model.safetensors (nano_spec.model.weights.write_model, in dtype) + LOG_FILE, swapped in
     atomically (nano_spec.model.weights.replace_dir); a drafter with a NaN or an infinity is refused (train.Diverged), out left as
     it is."""
@@ -246,7 +246,7 @@ def run(args, base: Path, out: Path, cfg: ModelConfig, dcfg: DFlashConfig, data:
     model = load_model(base, device=device, dtype=torch.float32)  # the target, frozen
     model.requires_grad_(False)
     model.ops.mamba_scan = functools.partial(ssd.mamba_scan_chunked, chunk_size=cfg.mamba_chunk_size)  # chunked SSD
-    drafter = DFlashDrafter(dcfg, model.ops).init_weights(seed=args.seed).to(device)  # fp32, trainable
+    drafter = DFlashModel(dcfg, model.ops).init_weights(seed=args.seed).to(device)  # fp32, trainable
     params = list(drafter.parameters())
     n_drafter, n_base = sum(p.numel() for p in params), sum(p.numel() for p in model.model.parameters())
     log(f"target {base}: {n_base / 1e6:.2f}M params, frozen; drafter {n_drafter / 1e6:.2f}M params: "

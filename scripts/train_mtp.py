@@ -12,7 +12,7 @@ and the embedding of x_{p+1}:
          = CE(mtp_logits(o_p), x_{p+2})                          --target corpus
 
 --unroll D (default 3) trains the head the way it drafts: from every anchor p, step 1 is the
-above; step d > 1 feeds the head its own output o_{d-1} (pre-norm, exactly what MTPProposer feeds
+above; step d > 1 feeds the head its own output o_{d-1} (pre-norm, exactly what MTPDrafter feeds
 mtp_forward) and the embedding of the TRUE token x_{p+d} (teacher-forced tokens, own hiddens), and
 predicts x_{p+d+1} (target as above, at that position). Gradients flow through the chain.
 Each depth's attention sees what it sees at inference: the catch-up (depth-1) rows of positions

@@ -55,7 +55,7 @@ def tiny_config(**overrides):
 
 
 def mtp_kv(cfg, num_slots: int, max_len: int, device="cpu"):
-    """The MTP head's KV rows (k, v), each (S, L, Hkv, Dh), as MTPProposer keeps them."""
+    """The MTP head's KV rows (k, v), each (S, L, Hkv, Dh), as MTPDrafter keeps them."""
     k = torch.zeros(num_slots, max_len, cfg.num_key_value_heads, cfg.head_dim, device=device)
     return k, torch.zeros_like(k)
 

@@ -26,7 +26,7 @@ def ckpt(tmp_path_factory):
 def plain(ckpt):
     """{prompt ids: plain decoding's 6 tokens}, as the bench's "plain" row decodes them."""
     from nano_spec.engine.llm import LLM
-    from nano_spec.engine.sampling import SamplingParams
+    from nano_spec.model.sampling import SamplingParams
 
     llm = LLM(ckpt, backend="torch", proposer="none", max_batch=1, threads=1)
     ids = [llm.tokenizer.encode(p) for p in PROMPTS]

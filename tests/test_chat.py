@@ -17,7 +17,7 @@ import torch
 
 from helpers import tiny_checkpoint, tiny_model
 from nano_spec.engine.llm import LLM
-from nano_spec.engine.sampling import SamplingParams
+from nano_spec.model.sampling import SamplingParams
 from nano_spec.model.weights import save_model
 
 transformers = pytest.importorskip("transformers")

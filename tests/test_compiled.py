@@ -8,7 +8,7 @@ import torch
 
 from helpers import load_script, tiny_checkpoint
 from nano_spec import LLM, SamplingParams
-from nano_spec.engine.compiled import bucket
+from nano_spec.model.compiled import bucket
 
 PROMPTS = ["def f(x):", "for i in range(10):\n    print(i)\n", "h", "héllo wörld ✓ héllo", "x = 1\ny = 2\n" * 3]
 GREEDY = SamplingParams(max_new_tokens=16, ignore_eos=True)
@@ -42,7 +42,7 @@ def test_compiled_tokens_equal_eager(ckpt, proposer, gamma):
             assert 0 < sum(compiled.planner.hist.values()) < compiled.scheduler.steps
     assert compiled.runner.compiled is not None and eager.runner.compiled is None
     if proposer == "mtp":  # the draft step and the catch-up ran compiled
-        assert all(b.seen for b in compiled.proposer.compiled.values()) and eager.proposer.compiled is None
+        assert all(b.seen for b in compiled.drafter.compiled.values()) and eager.drafter.compiled is None
 
 
 def test_bf16_compiled_plain_equals_bf16_eager(ckpt):
@@ -136,7 +136,7 @@ def test_compiled_step_writes_the_caches_where_they_lie(ckpt):
 
     llm = LLM(ckpt, proposer="mtp", num_drafts=2, max_batch=2, max_seq_len=2048, backend="torch", device="cpu",
               compile=True)
-    c, mtp = llm.runner.cache, llm.proposer
+    c, mtp = llm.runner.cache, llm.drafter
     buffers = [c.k, c.v, c.conv_state, c.ssm_state, c._ssm_stash, c._conv_stash, c._hidden_stash, mtp.k, mtp.v]
     addresses = [t.data_ptr() for t in buffers]
     with inductor_config.patch(force_disable_caches=True):  # compiled here, so the code is seen
@@ -154,9 +154,9 @@ def test_compiled_step_writes_the_caches_where_they_lie(ckpt):
 def test_compiled_accept_rule_equals_eager(case):
     """The accept rule as CUDA runs it (compiled; on the CPU the engine runs it eager, as it is cheaper there):
     the same na and tokens as the eager rule for greedy, sampled and grammar-masked rows, at two batch shapes."""
-    from nano_spec.engine.compiled import CompiledAcceptRule
+    from nano_spec.model.compiled import CompiledAcceptRule
     from nano_spec.model.ops import Ops
-    from nano_spec.engine.sampling import BatchSampling, accept_rule
+    from nano_spec.model.sampling import BatchSampling, accept_rule
 
     ops, rule, g = Ops("torch"), CompiledAcceptRule("cpu"), torch.Generator().manual_seed(3)
     for B, K, V in [(3, 4, 50), (5, 2, 50)]:

@@ -8,14 +8,14 @@ import pytest
 import torch
 
 from helpers import assert_close, tiny_config
-from nano_spec.model.dflash import DFlashConfig, DFlashDrafter, default_taps, load_drafter
+from nano_spec.model.dflash import DFlashConfig, DFlashModel, default_taps, load_drafter
 from nano_spec.model.ops import Ops
 from nano_spec.model.weights import save_model
 
 
-def tiny_drafter(cfg=None, layers: int = 2, block: int = 4, seed: int = 0, **kw) -> DFlashDrafter:
+def tiny_drafter(cfg=None, layers: int = 2, block: int = 4, seed: int = 0, **kw) -> DFlashModel:
     cfg = cfg or tiny_config()
-    d = DFlashDrafter(DFlashConfig.for_target(cfg, num_layers=layers, block_size=block, **kw), Ops("torch"))
+    d = DFlashModel(DFlashConfig.for_target(cfg, num_layers=layers, block_size=block, **kw), Ops("torch"))
     d.init_weights(std=0.2, seed=seed)
     with torch.no_grad():  # non-trivial norm weights, so a norm applied in the wrong place shows
         for name, p in d.named_parameters():
@@ -24,7 +24,7 @@ def tiny_drafter(cfg=None, layers: int = 2, block: int = 4, seed: int = 0, **kw)
     return d.eval()
 
 
-def reference_drafter(ours: DFlashDrafter):
+def reference_drafter(ours: DFlashModel):
     """The reference's DFlashDraftModel built from our config.json, holding our weights (strict)."""
     transformers = pytest.importorskip("transformers")
     model = pytest.importorskip("dflash.model", reason="pip install --no-deps dflash==0.1.0 (README, Tests)")
@@ -157,7 +157,7 @@ def test_lossless_greedy_every_budget(ckpt, plain, gamma):
     """Five prompts through two slots (mixed batches, slot reuse): the tokens of plain decoding."""
     llm, out = generate(ckpt, "dflash", gamma)
     assert out == plain
-    assert llm.stats["verify_steps"] > 0 and llm.proposer.max_drafts == (BLOCK - 1 if gamma == "auto" else gamma)
+    assert llm.stats["verify_steps"] > 0 and llm.drafter.max_drafts == (BLOCK - 1 if gamma == "auto" else gamma)
 
 
 def test_lossless_triton_backend(ckpt):
@@ -178,7 +178,7 @@ def test_lossless_compiled(ckpt):
     cpu = dict(backend="torch", device="cpu")
     llm, out = generate(ckpt, "dflash", 3, compile=True, **cpu)
     assert out == generate(ckpt, **cpu)[1]
-    assert llm.proposer.compiled.seen and llm.proposer.compiled.seconds > 0
+    assert llm.drafter.compiled.seen and llm.drafter.compiled.seconds > 0
 
 
 def test_lossless_under_a_grammar(ckpt):
@@ -199,7 +199,7 @@ def test_drafts_equal_nocache_recomputation(ckpt):
     from nano_spec import LLM, SamplingParams
 
     llm = LLM(ckpt, proposer="dflash", num_drafts=3, max_batch=2)
-    model, drafter = llm.model, llm.proposer.drafter
+    model, drafter = llm.model, llm.drafter.net
     cfg, taps, dev = drafter.cfg, drafter.cfg.target_layer_ids, llm.runner.device
     seqs = [llm.scheduler.add(llm.tokenizer.encode(p), SamplingParams(max_new_tokens=40, ignore_eos=True))
             for p in PROMPTS[:2]]
@@ -216,7 +216,7 @@ def test_drafts_equal_nocache_recomputation(ckpt):
             h = drafter(model.model.embed_tokens(block) * cfg.input_embedding_scale, ctx,
                         torch.arange(n - 1 + cfg.block_size, device=dev)[None])
             want = model.logits(h[0, 1:4]).argmax(-1).tolist()
-            assert llm.proposer.draft([s], 3, None).tokens[0].tolist() == want
+            assert llm.drafter.draft([s], 3, None).tokens[0].tolist() == want
 
 
 def test_settings_that_cannot_work_are_refused(ckpt, tmp_path):
@@ -280,7 +280,7 @@ def test_an_unedited_copy_of_the_shipped_drafter_loads(tmp_path):
     from nano_spec import LLM
 
     llm = LLM(proposer="dflash", drafter=edited_drafter(tmp_path), max_batch=1, max_seq_len=64)
-    assert llm.proposer.drafter.cfg.num_hidden_layers == 2
+    assert llm.drafter.net.cfg.num_hidden_layers == 2
 
 
 @pytest.mark.parametrize("keys, value, field", BAD_DRAFTER_CONFIGS.values(), ids=BAD_DRAFTER_CONFIGS.keys())
@@ -292,7 +292,7 @@ def test_bad_drafter_config_names_the_field(tmp_path, monkeypatch, keys, value, 
     def built(*args, **kw):
         raise AssertionError("a drafter was built from a config that should have been refused")
 
-    monkeypatch.setattr(DFlashDrafter, "__init__", built)
+    monkeypatch.setattr(DFlashModel, "__init__", built)
     with pytest.raises(ValueError) as e:
         LLM(proposer="dflash", drafter=edited_drafter(tmp_path, keys, value), max_batch=1, max_seq_len=64)
     message = str(e.value)
@@ -307,6 +307,6 @@ def test_weight_bytes_counts_the_drafter_without_building_it(monkeypatch, layers
 
     target = tiny_config(num_key_value_heads=1)
     cfg = DFlashConfig.for_target(target, num_layers=layers, **kw)
-    built = sum(p.numel() for p in DFlashDrafter(cfg, Ops("torch")).parameters())
-    monkeypatch.setattr(DFlashDrafter, "__init__", lambda *a, **k: pytest.fail("weight_bytes built the drafter"))
+    built = sum(p.numel() for p in DFlashModel(cfg, Ops("torch")).parameters())
+    monkeypatch.setattr(DFlashModel, "__init__", lambda *a, **k: pytest.fail("weight_bytes built the drafter"))
     assert weight_bytes(target, torch.bfloat16, cfg) - weight_bytes(target, torch.bfloat16) == 2 * built

@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from helpers import tiny_checkpoint
-from nano_spec.drafters.base import Checked, Drafter, Drafts, NoProposer
-from nano_spec.drafters.dflash import DFlashProposer
-from nano_spec.drafters.mtp import MTPProposer
-from nano_spec.drafters.ngram import NgramProposer
+from nano_spec.drafters.base import Checked, Drafter, Drafts, NoDrafter
+from nano_spec.drafters.dflash import DFlashDrafter
+from nano_spec.drafters.mtp import MTPDrafter
+from nano_spec.drafters.ngram import NgramDrafter
 from nano_spec.engine.llm import LLM
-from nano_spec.engine.sampling import SamplingParams
+from nano_spec.model.sampling import SamplingParams
 
 PARAMS = SamplingParams(max_new_tokens=12, ignore_eos=True)
 
@@ -22,15 +22,15 @@ def ckpt(tmp_path_factory):
     return tiny_checkpoint(tmp_path_factory.mktemp("drafters") / "tiny", seed=4)
 
 
-@pytest.mark.parametrize("cls", [NoProposer, NgramProposer, MTPProposer, DFlashProposer, Checked],
+@pytest.mark.parametrize("cls", [NoDrafter, NgramDrafter, MTPDrafter, DFlashDrafter, Checked],
                          ids=lambda c: c.__name__)
 def test_every_drafter_has_the_members_of_the_protocol(cls):
     for name in ("admit", "draft", "catch_up"):
         want = list(inspect.signature(getattr(Drafter, name)).parameters)
-        if cls is not NoProposer:  # plain decoding: max_drafts 0, so the runner calls none of them
+        if cls is not NoDrafter:  # plain decoding: max_drafts 0, so the runner calls none of them
             assert list(inspect.signature(getattr(cls, name)).parameters)[: len(want)] == want, name
     if cls is not Checked:  # the outside drafter's state is its own
-        assert cls.state_bytes(None if cls in (NoProposer, NgramProposer) else _cfg(cls), 2, 8, torch.float32) >= 0
+        assert cls.state_bytes(None if cls in (NoDrafter, NgramDrafter) else _cfg(cls), 2, 8, torch.float32) >= 0
 
 
 def _cfg(cls):
@@ -38,7 +38,7 @@ def _cfg(cls):
     from nano_spec.model.dflash import DFlashConfig
 
     target = tiny_config()
-    if cls is MTPProposer:
+    if cls is MTPDrafter:
         return target
     return DFlashConfig.for_target(target, num_layers=1, block_size=4, taps=[1, 3])
 
@@ -64,7 +64,7 @@ class Outside:
 def test_an_outside_drafter_is_wrapped_once_and_gets_what_it_asked_for(ckpt, taps):
     outside = Outside(taps)
     llm = LLM(ckpt, proposer=outside, num_drafts=2, max_batch=2)
-    assert isinstance(llm.proposer, Checked) and llm.proposer.inner is outside and llm.runner.proposer is llm.proposer
+    assert isinstance(llm.drafter, Checked) and llm.drafter.inner is outside and llm.runner.drafter is llm.drafter
     out = llm.generate(["def f(x):", "x = 1"], PARAMS)
     plain = LLM(ckpt, proposer="none", max_batch=2).generate(["def f(x):", "x = 1"], PARAMS)
     assert [o.token_ids for o in out] == [o.token_ids for o in plain]  # lossless whatever it drafts

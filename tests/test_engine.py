@@ -20,7 +20,7 @@ def ckpt(tmp_path_factory):
     return tiny_checkpoint(tmp_path_factory.mktemp("engine") / "tiny", seed=5)
 
 
-class OracleProposer:
+class OracleDrafter:
     """Drafts the known greedy continuation, each token corrupted with probability p_wrong: every accept
     count 0..γ happens, so every commit path is exercised with a known right answer."""
 
@@ -45,7 +45,7 @@ class OracleProposer:
 
 def run(ckpt, proposer="none", gamma=0, max_batch=3, prompts=PROMPTS, params=None, oracle=None, **kw):
     if oracle is not None:
-        proposer = OracleProposer(gamma, oracle)
+        proposer = OracleDrafter(gamma, oracle)
     llm = LLM(ckpt, proposer=proposer, num_drafts=gamma, max_batch=max_batch, **kw)
     params = params or SamplingParams(max_new_tokens=24, ignore_eos=True)
     return llm, llm.generate(prompts, params)
@@ -116,7 +116,7 @@ def test_mtp_drafts_equal_nocache_recomputation(ckpt):
                 d = model.mtp_logits(o[:, -1]).argmax(-1)
                 want.append(int(d))
                 H, NX = torch.cat([H, o[:, -1:]], 1), torch.cat([NX, d[None]], 1)
-            assert llm.proposer.draft([s], 3, None).tokens[0].tolist() == want
+            assert llm.drafter.draft([s], 3, None).tokens[0].tolist() == want
 
 
 def test_stop_token_inside_accepted_run(ckpt, plain):
@@ -125,7 +125,7 @@ def test_stop_token_inside_accepted_run(ckpt, plain):
     stop_tok = plain[1][7]
     cut = plain[1].index(stop_tok)
     # every draft right: stops land mid-run
-    llm = LLM(ckpt, proposer=OracleProposer(4, reference, p_wrong=0.0), max_batch=2)
+    llm = LLM(ckpt, proposer=OracleDrafter(4, reference, p_wrong=0.0), max_batch=2)
     out = llm.generate(PROMPTS[1], SamplingParams(max_new_tokens=24, stop_token_ids=(stop_tok,)))[0]
     assert out.token_ids == plain[1][: cut + 1] and out.finish_reason == "stop"
     # max_new_tokens is exact even when the accepted run is longer

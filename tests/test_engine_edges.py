@@ -6,7 +6,7 @@ import pytest
 
 from helpers import tiny_checkpoint
 from nano_spec import LLM, SamplingParams
-from nano_spec.drafters.ngram import NgramProposer
+from nano_spec.drafters.ngram import NgramDrafter
 from nano_spec.reference import ngram_lookup
 from nano_spec.engine.scheduler import Sequence
 
@@ -85,7 +85,7 @@ def test_ngram_index_equals_the_plain_scan():
     """The incremental index returns what a scan of the whole sequence returns, as tokens arrive in steps of
     1..5 (a verify's emitted run), for contexts with many repeats."""
     rng = random.Random(0)
-    proposer = NgramProposer(4, "cpu")
+    proposer = NgramDrafter(4, "cpu")
     for trial in range(40):
         vocab = rng.choice([2, 3, 5, 50])
         seq = Sequence(trial, 5, [rng.randrange(vocab) for _ in range(5)], SamplingParams(), slot=trial % 3)

@@ -59,6 +59,19 @@ def test_the_tree_shows_the_architecture():
         assert (PACKAGE / f"{name}.py").is_file()
 
 
+FOLDER_ORDER = ("model", "text", "drafters", "engine")  # each folder imports only from those before it
+
+
+def test_folders_import_one_way():
+    """model -> text -> drafters -> engine: no folder imports one above it, so each reads without the next."""
+    files = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    folder = lambda name: name.split(".")[1] if name.count(".") >= 2 else None  # noqa: E731 (nano_spec.<folder>.x)
+    back = [(name, dep) for name, path in files.items() if folder(name) in FOLDER_ORDER
+            for dep in nano_spec_imports(path, set(files)) if folder(dep) in FOLDER_ORDER
+            and FOLDER_ORDER.index(folder(dep)) > FOLDER_ORDER.index(folder(name))]
+    assert not back, back
+
+
 @pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT)))
 def test_no_module_passes_400_lines(path):
     assert len(path.read_text(encoding="utf-8").splitlines()) <= 400

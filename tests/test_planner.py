@@ -29,7 +29,7 @@ class ScriptedPlanner(DraftPlanner):
 def generate(ckpt, num_drafts, proposer, script=None, max_batch=2, params=None):
     llm = LLM(ckpt, proposer=proposer, num_drafts=num_drafts, max_batch=max_batch)
     if script is not None:
-        llm.scheduler.planner = llm.planner = ScriptedPlanner(llm.proposer.max_drafts, script)
+        llm.scheduler.planner = llm.planner = ScriptedPlanner(llm.drafter.max_drafts, script)
     params = params or SamplingParams(max_new_tokens=20, ignore_eos=True)
     return llm, [o.token_ids for o in llm.generate(PROMPTS, params)]
 

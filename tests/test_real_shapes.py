@@ -16,7 +16,7 @@ from helpers import assert_close, load_script, train_tiny_tokenizer
 from nano_spec.model.config import ModelConfig
 from nano_spec.engine.capacity import fit, memory_parts, weight_bytes
 from nano_spec.engine.llm import LLM
-from nano_spec.engine.sampling import SamplingParams
+from nano_spec.model.sampling import SamplingParams
 from nano_spec.engine.settings import EngineConfig
 from nano_spec.model.weights import stored_dtype
 from nano_spec.model.model import load_model
@@ -86,7 +86,7 @@ def test_bf16_checkpoint_loads_strictly_and_runs_fp32_on_cpu(ckpt):
     assert cfg.attention_layers == [4, 5, 6, 10] and cfg.mamba_d_head == 32 and cfg.rope is None
     llm = LLM(path, backend="torch", device="cpu", max_batch=2, max_seq_len=512)
     assert llm.model.model.embed_tokens.weight.dtype == torch.float32  # CPU default, whatever is stored
-    assert llm.proposer.__class__.__name__.lower().startswith("ngram")  # no MTP head: n-gram drafts
+    assert llm.drafter.__class__.__name__.lower().startswith("ngram")  # no MTP head: n-gram drafts
 
 
 def test_logits_match_transformers_past_a_chunk(ckpt):

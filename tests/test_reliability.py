@@ -150,7 +150,7 @@ def test_fault_in_one_sequence_ends_only_it(ckpt, reference, monkeypatch, where,
     victim = {"seq": None}
     if where == "proposer":  # an object of the caller's, checked at the boundary as LLM(proposer=obj) wraps it:
         # it corrupts the victim's row
-        inner, bad = llm.proposer, llm.model.cfg.vocab_size if bad_id == "V" else bad_id
+        inner, bad = llm.drafter, llm.model.cfg.vocab_size if bad_id == "V" else bad_id
 
         class Corrupting:
             max_drafts = inner.max_drafts
@@ -162,7 +162,7 @@ def test_fault_in_one_sequence_ends_only_it(ckpt, reference, monkeypatch, where,
                     d.tokens[seqs.index(victim["seq"]), gamma - 1] = bad
                 return d
 
-        llm.runner.proposer = Checked(Corrupting(), llm.model.cfg.vocab_size, "cpu")
+        llm.runner.drafter = Checked(Corrupting(), llm.model.cfg.vocab_size, "cpu")
     else:
         real_prefill = llm.model.prefill
 

@@ -188,7 +188,7 @@ def test_tiny_temperature_is_greedy(ckpt, temperature):
 @pytest.mark.parametrize("where", ["prefill", "catch_up", "draft", "verify"])
 def test_interrupt_frees_slots_and_cancels_its_requests(ckpt, alone, monkeypatch, where):
     llm = LLM(ckpt, proposer="mtp", num_drafts=3, max_batch=1)
-    owner = {"prefill": llm.model, "catch_up": llm.proposer, "draft": llm.proposer, "verify": llm.model}[where]
+    owner = {"prefill": llm.model, "catch_up": llm.drafter, "draft": llm.drafter, "verify": llm.model}[where]
     real = getattr(owner, where if where != "catch_up" else "admit")
 
     def interrupted(*args, **kw):
@@ -301,12 +301,12 @@ def test_memory_budget_counts_the_weights(ckpt):
     from nano_spec.model.cache import cache_bytes
     from nano_spec.model.config import ModelConfig
     from nano_spec.engine.capacity import weight_bytes
-    from nano_spec.drafters.mtp import MTPProposer
+    from nano_spec.drafters.mtp import MTPDrafter
 
     cfg = ModelConfig.from_file(ckpt / "config.json")
     assert cfg.has_mtp  # the MTP proposer's KV rows count too
     caches = (sum(cache_bytes(cfg, 1, 64 + 8, 4, torch.float32).values()) + 3 * cfg.vocab_size * 4
-              + MTPProposer.state_bytes(cfg, 1, 64 + 8, torch.float32))
+              + MTPDrafter.state_bytes(cfg, 1, 64 + 8, torch.float32))
     weights = weight_bytes(cfg, torch.float32)
     assert weights == 4 * sum(p.numel() for p in LLM(ckpt, max_seq_len=64).model.parameters())
     with pytest.raises(ValueError, match="weights"):

@@ -13,13 +13,13 @@ import torch
 
 from helpers import tiny_model
 from nano_spec_kernels.verdict_sample import sampling_probs_ref
-from nano_spec.engine import sampling as sampling_mod
-from nano_spec.model.dflash import DFlashConfig, DFlashDrafter
-from nano_spec.drafters.base import NoProposer
-from nano_spec.drafters.dflash import DFlashProposer
-from nano_spec.drafters.mtp import MTPProposer
+from nano_spec.model import sampling as sampling_mod
+from nano_spec.model.dflash import DFlashConfig, DFlashModel
+from nano_spec.drafters.base import NoDrafter
+from nano_spec.drafters.dflash import DFlashDrafter
+from nano_spec.drafters.mtp import MTPDrafter
 from nano_spec.engine.runner import ModelRunner, cache_len
-from nano_spec.engine.sampling import SamplingParams
+from nano_spec.model.sampling import SamplingParams
 from nano_spec.engine.scheduler import Scheduler
 
 V, N_REQ, PROMPT = 8, 2400, [3, 1, 4, 1, 5]
@@ -60,12 +60,12 @@ def joint(model, n: int = 3):
 
 def sample(model, gamma: int, n_tokens: int, kind: str = "mtp"):
     if kind == "dflash":  # a random drafter: its q differs from the target's p, so the accept rule has work
-        drafter = DFlashDrafter(DFlashConfig.for_target(model.cfg, 1, gamma + 2), model.ops).init_weights(0.3, 4)
-        proposer = DFlashProposer(drafter, model, gamma, num_slots=64, max_len=cache_len(32, gamma))
+        drafter = DFlashModel(DFlashConfig.for_target(model.cfg, 1, gamma + 2), model.ops).init_weights(0.3, 4)
+        proposer = DFlashDrafter(drafter, model, gamma, num_slots=64, max_len=cache_len(32, gamma))
     elif gamma:
-        proposer = MTPProposer(model, gamma, num_slots=64, max_len=cache_len(32, gamma))
+        proposer = MTPDrafter(model, gamma, num_slots=64, max_len=cache_len(32, gamma))
     else:
-        proposer = NoProposer()
+        proposer = NoDrafter()
     runner = ModelRunner(model, proposer, num_slots=64, max_seq_len=32)
     sched = Scheduler(runner, ByteTok(), 32)
     seqs = [sched.add(PROMPT, SamplingParams(max_new_tokens=n_tokens, seed=i, **PARAMS)) for i in range(N_REQ)]

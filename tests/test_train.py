@@ -173,14 +173,14 @@ def writers(tmp_path):
     from tokenizers import Tokenizer
 
     from helpers import load_script, tiny_checkpoint, tiny_config, tiny_model
-    from nano_spec.model.dflash import DFlashConfig, DFlashDrafter
+    from nano_spec.model.dflash import DFlashConfig, DFlashModel
     from nano_spec.model.ops import Ops
 
     base = tiny_checkpoint(tmp_path / "base", num_nextn_predict_layers=0)
     train, mtp, dflash = load_script("train"), load_script("train_mtp"), load_script("train_dflash")
     model, tok = tiny_model(seed=1), Tokenizer.from_file(str(base / "tokenizer.json"))
     head = SimpleNamespace(mtp=torch.nn.Linear(4, 4))
-    drafter = DFlashDrafter(DFlashConfig.for_target(tiny_config(), num_layers=1, block_size=4), Ops("torch"))
+    drafter = DFlashModel(DFlashConfig.for_target(tiny_config(), num_layers=1, block_size=4), Ops("torch"))
     return {"train": (lambda out, log: train.write_checkpoint(model, out, log, tok), model),
             "mtp": (lambda out, log: mtp.write_checkpoint(head, base, out, log, torch.float32), head.mtp),
             "dflash": (lambda out, log: dflash.write_drafter(drafter, out, log, torch.float32), drafter)}

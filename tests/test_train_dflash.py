@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from helpers import assert_close, load_script, tiny_checkpoint, tiny_config
-from nano_spec.model.dflash import DFlashConfig, DFlashDrafter, load_drafter
+from nano_spec.model.dflash import DFlashConfig, DFlashModel, load_drafter
 from nano_spec.engine.llm import LLM
 from nano_spec.model.ops import Ops
-from nano_spec.engine.sampling import SamplingParams
+from nano_spec.model.sampling import SamplingParams
 from nano_spec.model.model import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,7 +48,7 @@ def test_writes_a_drafter_that_loads(trained):
     drafter = load_drafter(out, target.cfg, target.ops, "cpu", torch.float32)
     cfg = drafter.cfg
     assert (cfg.block_size, cfg.num_hidden_layers, cfg.mask_token_id) == (4, 1, 0)
-    fresh = DFlashDrafter(cfg, target.ops).init_weights(seed=0).state_dict()  # the script's start (--seed 0)
+    fresh = DFlashModel(cfg, target.ops).init_weights(seed=0).state_dict()  # the script's start (--seed 0)
     assert any(not torch.equal(t, fresh[n]) for n, t in drafter.state_dict().items())  # trained
     log = json.loads((out / "dflash_train_log.json").read_text())
     assert log["steps"] == 3 and log["tokens_seen"] == 3 * 2 * 32 and log["finished"]
@@ -76,7 +76,7 @@ def test_stacked_anchors_equal_one_forward_per_anchor():
     context cut at the anchor, with no mask: the same rows within 1e-5."""
     script = load_script("train_dflash")
     cfg = tiny_config()
-    drafter = DFlashDrafter(DFlashConfig.for_target(cfg, num_layers=2, block_size=4, mask_token_id=5), Ops("torch"))
+    drafter = DFlashModel(DFlashConfig.for_target(cfg, num_layers=2, block_size=4, mask_token_id=5), Ops("torch"))
     drafter.init_weights(std=0.2, seed=1).eval()
     embed = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size)
     g = torch.Generator().manual_seed(0)

@@ -11,7 +11,7 @@ from safetensors import safe_open
 
 from helpers import load_script, tiny_checkpoint
 from nano_spec.engine.llm import LLM
-from nano_spec.engine.sampling import SamplingParams
+from nano_spec.model.sampling import SamplingParams
 from nano_spec.model.model import load_model
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -18,7 +18,7 @@ def load_script():
 
 
 def engine_chain(model, ids, h, p, depth):
-    """What MTPProposer computes for a sequence whose last accepted row is p, with drafts forced to the
+    """What MTPDrafter computes for a sequence whose last accepted row is p, with drafts forced to the
     true tokens: catch-up rows 0..p, then depth-1 mtp_forward calls at positions p+1.. -> [o_1 .. o_depth] (D,)."""
     kv = mtp_kv(model.cfg, num_slots=2, max_len=64)
     slot = 1

@@ -1,4 +1,4 @@
-"""What a drafter is: the proposer interface, what it returns, and the picking that drafters share
+"""What a drafter is: its interface, what it returns, and the picking that drafters share
 (docs/DESIGN.md §4).
 
 A drafter is what `Drafter` below lists; the built-ins (none, ngram, mtp, dflash) are drafters as they are.
@@ -27,13 +27,13 @@ from typing import Protocol
 
 import torch
 
-from nano_spec.engine.sampling import BatchSampling
+from nano_spec.model.sampling import BatchSampling
 from nano_spec.text.grammar import DraftMasks
 
 
 @dataclass(frozen=True)
 class Drafts:
-    """What a proposer returns for B sequences."""
+    """What a drafter returns for B sequences."""
     tokens: torch.Tensor        # (B, γ) long, every id in [0, V); rows with fewer drafts are padded (with 0)
     nd: torch.Tensor            # (B,) long, the real drafts of each row
     probs: torch.Tensor | None  # (B, γ, V) the q each draft was drawn from; None: deterministic (one-hot q)
@@ -49,7 +49,7 @@ class Drafts:
 
 @dataclass(frozen=True)
 class VerifiedRows:
-    """One verify's rows, for a proposer's catch-up. Row j of sequence b sits at position seq_lens[b] + j."""
+    """One verify's rows, for a drafter's catch-up. Row j of sequence b sits at position seq_lens[b] + j."""
     slots: torch.Tensor     # (B,)
     seq_lens: torch.Tensor  # (B,) tokens in the caches before the step
     tokens: torch.Tensor    # (B, K) the token emitted after each row (valid for j <= na)
@@ -77,7 +77,7 @@ def pick_in_order(seqs, slots, per_slot: BatchSampling, gamma: int, uniforms, lo
     return Drafts(torch.stack(tokens, dim=1), nd, None if sampling.all_greedy else torch.stack(probs, dim=1))
 
 
-class NoProposer:
+class NoDrafter:
     """Plain decoding: with max_drafts 0 the runner calls none of the methods."""
     max_drafts, taps = 0, ()
 

@@ -3,18 +3,18 @@ tapped layers drafts a whole block; the verify takes γ of it. Its network is na
 import torch
 
 from nano_spec.drafters.base import pick_in_order
-from nano_spec.engine.sampling import BatchSampling, SamplingParams
+from nano_spec.model.sampling import BatchSampling, SamplingParams
 from nano_spec.model.cache import SlotIds
-from nano_spec.model.dflash import DFlashConfig, DFlashDrafter
+from nano_spec.model.dflash import DFlashConfig, DFlashModel
 
 
-class DFlashProposer:
-    """Drafts with a DFlashDrafter. Its state per slot: the context K/V of every drafter layer at the
+class DFlashDrafter:
+    """Drafts with a DFlashModel. Its state per slot: the context K/V of every drafter layer at the
     committed positions, the last emitted token (the block's row 0) and the context length."""
 
-    def __init__(self, drafter: DFlashDrafter, target, max_drafts: int, num_slots: int, max_len: int):
-        cfg, p = drafter.cfg, next(target.parameters())  # max_drafts <= Bk - 1: checked in settings
-        self.drafter, self.target, self.max_drafts = drafter, target, max_drafts
+    def __init__(self, net: DFlashModel, target, max_drafts: int, num_slots: int, max_len: int):
+        cfg, p = net.cfg, next(target.parameters())  # max_drafts <= Bk - 1: checked in settings
+        self.net, self.target, self.max_drafts = net, target, max_drafts
         self.taps = tuple(cfg.target_layer_ids)  # the runner stashes these layers' rows for catch_up
         shape = (cfg.num_hidden_layers, num_slots, max_len, cfg.num_key_value_heads, cfg.head_dim)
         self.k = torch.zeros(shape, device=p.device, dtype=p.dtype)  # (Ld, S, L, Hkv, Dh), RoPE-rotated
@@ -33,9 +33,9 @@ class DFlashProposer:
 
     def _store(self, slots, tapped, positions):
         """Context K/V of the tapped rows (B, T, nT*D) at positions (B, T) into slots (B,)."""
-        c = self.drafter.context(tapped)
-        for i in range(len(self.drafter.layers)):
-            k, v = self.drafter.context_kv(i, c, positions)
+        c = self.net.context(tapped)
+        for i in range(len(self.net.layers)):
+            k, v = self.net.context_kv(i, c, positions)
             self.k[i, slots[:, None], positions], self.v[i, slots[:, None], positions] = k, v
 
     def admit(self, seq, hidden, first, tapped):
@@ -67,15 +67,15 @@ class DFlashProposer:
 
     def _block(self, slots, gamma: int, kv_len: int):
         """The block forward of slots (B,) -> the logits of drafts 1 .. γ (B, γ, V)."""
-        cfg = self.drafter.cfg
+        cfg = self.net.cfg
         ids = torch.cat([self.last[slots, None], self.mask_row.expand(len(slots), -1)], dim=1)  # (B, Bk)
         x = self.target.model.embed_tokens(ids) * cfg.input_embedding_scale
-        h = self.drafter.draft_hidden(x, slots, self.ctx_len[slots], self.k[:, :, :kv_len], self.v[:, :, :kv_len])
+        h = self.net.draft_hidden(x, slots, self.ctx_len[slots], self.k[:, :, :kv_len], self.v[:, :, :kv_len])
         return self.target.logits(h[:, 1 : gamma + 1]) * (cfg.output_multiplier * self.target.cfg.logits_scaling)
 
     def compile(self):
         """The block forward per bucket (the catch-up's context K/V writes stay eager)."""
-        from nano_spec.engine.compiled import Bucketed, static_buffers
+        from nano_spec.model.compiled import Bucketed, static_buffers
 
         static_buffers(self.k, self.v, self.last, self.ctx_len)
         S, L = self.k.shape[1:3]

@@ -1,8 +1,8 @@
 """The drafter the settings chose (nano_spec/engine/settings.py), built for a loaded model."""
-from nano_spec.drafters.base import Checked, NoProposer
-from nano_spec.drafters.dflash import DFlashProposer
-from nano_spec.drafters.mtp import MTPProposer
-from nano_spec.drafters.ngram import NgramProposer
+from nano_spec.drafters.base import Checked, NoDrafter
+from nano_spec.drafters.dflash import DFlashDrafter
+from nano_spec.drafters.mtp import MTPDrafter
+from nano_spec.drafters.ngram import NgramDrafter
 from nano_spec.model.cache import cache_len
 from nano_spec.model.dflash import load_drafter
 
@@ -13,8 +13,8 @@ def make_drafter(c, model):
     if not isinstance(c.drafter, str):
         return Checked(c.drafter, c.cfg.vocab_size, c.device)
     if c.drafter == "mtp":
-        return MTPProposer(model, c.max_drafts, num_slots, max_len)
+        return MTPDrafter(model, c.max_drafts, num_slots, max_len)
     if c.drafter == "dflash":
         block = load_drafter(c.drafter_dir, c.cfg, model.ops, c.device, c.dtype)
-        return DFlashProposer(block, model, c.max_drafts, num_slots, max_len)
-    return NgramProposer(c.max_drafts, c.device) if c.drafter == "ngram" else NoProposer()
+        return DFlashDrafter(block, model, c.max_drafts, num_slots, max_len)
+    return NgramDrafter(c.max_drafts, c.device) if c.drafter == "ngram" else NoDrafter()

@@ -3,11 +3,11 @@ the last accepted row gives draft 1, γ-1 recursive steps the rest."""
 import torch
 
 from nano_spec.drafters.base import Drafts, VerifiedRows, pick_in_order
-from nano_spec.engine.sampling import BatchSampling, SamplingParams
+from nano_spec.model.sampling import BatchSampling, SamplingParams
 from nano_spec.model.cache import SlotIds
 
 
-class MTPProposer:
+class MTPDrafter:
     """The checkpoint's MTP head. Its state per slot: the KV rows of its attention layer, and `head_out`, its output
     at the last accepted position, which draft 1 is read from (DESIGN §4)."""
     taps = ()
@@ -73,8 +73,8 @@ class MTPProposer:
         return o, self.model.mtp_logits(o)
 
     def compile(self):
-        """Both calls per bucket (nano_spec/engine/compiled.py); the KV rows are written in place."""
-        from nano_spec.engine.compiled import Bucketed, static_buffers, use_compiled_ops
+        """Both calls per bucket (nano_spec/model/compiled.py); the KV rows are written in place."""
+        from nano_spec.model.compiled import Bucketed, static_buffers, use_compiled_ops
 
         use_compiled_ops(self.model)
         static_buffers(self.k, self.v)

@@ -3,7 +3,7 @@ index per slot; works with any checkpoint. The reference loop's plain scan (refe
 from nano_spec.drafters.base import Drafts
 
 
-class NgramProposer:
+class NgramDrafter:
     """Prompt lookup over an index per slot: n-gram -> the position after its latest occurrence, extended by the
     tokens a sequence gained since its last draft, so a lookup costs O(new tokens), not O(context)."""
 

@@ -13,8 +13,8 @@ from nano_spec.model.cache import cache_bytes, cache_len
 from nano_spec.model.config import ModelConfig
 from nano_spec.model.dflash import DFlashConfig
 from nano_spec.model.model import HybridLM
-from nano_spec.drafters.dflash import DFlashProposer
-from nano_spec.drafters.mtp import MTPProposer
+from nano_spec.drafters.dflash import DFlashDrafter
+from nano_spec.drafters.mtp import MTPDrafter
 
 
 def weight_bytes(cfg: ModelConfig, dtype, drafter: DFlashConfig | None = None) -> int:
@@ -34,8 +34,8 @@ def memory_parts(c, max_seq_len: int, weights: int) -> dict:
     taps = c.dflash.target_layer_ids if c.dflash else ()
     caches = cache_bytes(c.cfg, c.max_batch, rows, c.max_drafts + 1, c.dtype, taps)
     probs = c.max_batch * c.max_drafts * c.cfg.vocab_size * 4  # a sampled step's q (B, γ, V)
-    mtp_kv = MTPProposer.state_bytes(c.cfg, c.max_batch, rows, c.dtype) if c.drafter == "mtp" else 0
-    dflash_kv = DFlashProposer.state_bytes(c.dflash, c.max_batch, rows, c.dtype) if c.dflash else 0
+    mtp_kv = MTPDrafter.state_bytes(c.cfg, c.max_batch, rows, c.dtype) if c.drafter == "mtp" else 0
+    dflash_kv = DFlashDrafter.state_bytes(c.dflash, c.max_batch, rows, c.dtype) if c.dflash else 0
     return {"weights": weights, **caches, "mtp_kv": mtp_kv, "dflash_kv": dflash_kv, "draft_probs": probs}
 
 

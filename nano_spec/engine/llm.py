@@ -11,7 +11,7 @@ from nano_spec.drafters.factory import make_drafter
 from nano_spec.engine import capacity
 from nano_spec.engine.planner import DraftPlanner
 from nano_spec.engine.runner import ModelRunner
-from nano_spec.engine.sampling import SamplingParams
+from nano_spec.model.sampling import SamplingParams
 from nano_spec.engine.scheduler import Scheduler
 from nano_spec.engine.settings import EngineConfig
 from nano_spec.engine.telemetry import Telemetry
@@ -49,7 +49,7 @@ class LLM:
     threads       torch's intra-op threads, process-wide; None: one for a step too small to split, else chosen
                   from measured steps (nano_spec/engine/threads.py), so busy cores do not stall the engine
     compile       the step's hot calls through torch.compile, one graph per shape bucket, CUDA graphs on a GPU
-                  (backend 'torch'; nano_spec/engine/compiled.py, docs/DESIGN.md §12)
+                  (backend 'torch'; nano_spec/model/compiled.py, docs/DESIGN.md §12)
     on_step       called with a StepReport after every engine step
     backend, device, dtype, max_batch, max_seq_len, memory_budget: as named (None: chosen to fit)
 
@@ -71,9 +71,9 @@ class LLM:
         most = c.threads or default_threads(self.model, c.max_batch, c.device)
         self.threads = ThreadTuner(most, tune=c.threads is None and c.device.type == "cpu")
         self.threads.apply()
-        self.proposer = make_drafter(c, self.model)
+        self.drafter = make_drafter(c, self.model)
         self.telemetry = Telemetry(c.max_drafts, clock)
-        self.runner = ModelRunner(self.model, self.proposer, c.max_batch, c.max_seq_len, self.telemetry, c.compile)
+        self.runner = ModelRunner(self.model, self.drafter, c.max_batch, c.max_seq_len, self.telemetry, c.compile)
         # the prior cost of a draft, relative to a plain step: extra verify rows are far from free on a CPU
         self.planner = DraftPlanner(c.max_drafts, prior_slope=0.1 if c.device.type == "cuda" else 0.4) \
             if c.auto else None

@@ -111,8 +111,8 @@ class DraftPlanner:
             best = min(max(0, best - 1 if turn == 0 else best + 1 if turn == 1 else 0), self.max_drafts)
         return best
 
-    def observe_step(self, B: int, gamma: int, seconds: float, proposer_seconds: float, results: list):
-        """A step at γ: its seconds, of which the proposer's (drafting and catch-up), and (na, nd) per sequence."""
+    def observe_step(self, B: int, gamma: int, seconds: float, drafter_seconds: float, results: list):
+        """A step at γ: its seconds, of which the drafter's (drafting and catch-up), and (na, nd) per sequence."""
         seconds = max(seconds, MIN_SECONDS)  # a coarse or frozen clock reads 0
         c = B.bit_length()
         if c in self.plain or c in self.line:  # a stall of the machine is not the step's cost
@@ -120,7 +120,7 @@ class DraftPlanner:
         per_seq = seconds / B
         if gamma == 0:
             self.plain.setdefault(c, Decayed(self.keep_cost)).add(per_seq)
-            bare = max(seconds - proposer_seconds, MIN_SECONDS)
+            bare = max(seconds - drafter_seconds, MIN_SECONDS)
             self.bare.setdefault(c, Decayed(self.keep_cost)).add(bare / B)
         else:
             self.seen.setdefault((c, gamma), Decayed(self.keep_cost)).add(per_seq)

@@ -1,18 +1,18 @@
-"""The model runner: every tensor of the engine lives here or in the proposer, none in the scheduler.
+"""The model runner: every tensor of the engine lives here or in the drafter, none in the scheduler.
 
 The scheduler hands it host-side sequences (slot, tokens, params) and gets back host
 values: one RowResult per sequence. It keeps the target's caches and, per slot, the
 sequence length, the last emitted token, the sampling settings and the request's
-random generator; the proposer keeps its own state.
+random generator; the drafter keeps its own state.
 
 One step, in the order of nano_spec/reference.py (docs/DESIGN.md §4), with γ drafts per
 sequence and K = γ + 1 rows:
-    1. the proposer drafts           drafts (B, γ), nd (B,)
+    1. the drafter drafts             drafts (B, γ), nd (B,)
     2. one batched verify            rows [last token | drafts] -> logits (B, K, V), stashes written
     3. grammar masks                 the constrained rows' masks after each draft prefix
     4. the accept rule               na (B,), emitted (B, K)
     5. commit                        Mamba states back to row na where a draft was rejected (one launch)
-    6. the proposer catches up       on the verified rows, up to row na
+    6. the drafter catches up         on the verified rows, up to row na
     7. one device-to-host copy       the RowResults
 """
 from dataclasses import dataclass
@@ -21,11 +21,11 @@ import torch
 import torch.nn.functional as F
 
 from nano_spec.model.cache import HybridCache, SlotIds, cache_len
-from nano_spec.engine.compiled import CompiledAcceptRule, Timed, compiled_verify
+from nano_spec.model.compiled import CompiledAcceptRule, Timed, compiled_verify
 from nano_spec.text.grammar import verify_bitmask
 from nano_spec.model.model import HybridLM
 from nano_spec.drafters.base import Drafts, VerifiedRows
-from nano_spec.engine.sampling import BatchSampling, SamplingParams, accept_rule, token_logprobs
+from nano_spec.model.sampling import BatchSampling, SamplingParams, accept_rule, token_logprobs
 from nano_spec.engine.telemetry import Telemetry
 
 
@@ -36,18 +36,18 @@ class RowResult:
     drafts: list             # the real drafts that were verified (nd = len(drafts))
     tokens: list             # emitted tokens in order: drafts[:na], then the target's pick
     logprobs: list | None    # per token: (logprob, {token: logprob} of the top-n)
-    error: str | None        # the sequence ends: non-finite logits, or drafts its proposer got wrong
+    error: str | None        # the sequence ends: non-finite logits, or drafts its drafter got wrong
 
 
 class ModelRunner:
-    def __init__(self, model: HybridLM, proposer, num_slots: int, max_seq_len: int, telemetry: Telemetry = None,
+    def __init__(self, model: HybridLM, drafter, num_slots: int, max_seq_len: int, telemetry: Telemetry = None,
                  compile: bool = False):
-        self.model, self.proposer = model.for_inference(), proposer
-        self.cfg, self.max_drafts = model.cfg, proposer.max_drafts
+        self.model, self.drafter = model.for_inference(), drafter
+        self.cfg, self.max_drafts = model.cfg, drafter.max_drafts
         self.tel = telemetry or Telemetry(self.max_drafts)
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
-        self.taps = list(proposer.taps)  # layers whose rows the drafter reads (a block drafter)
+        self.taps = list(drafter.taps)  # layers whose rows the drafter reads (a block drafter)
         self.cache = HybridCache(self.cfg, num_slots, cache_len(max_seq_len, self.max_drafts), self.max_drafts + 1,
                                  self.device, self.dtype, self.taps)
         self.slot_ids = SlotIds(self.device)
@@ -55,8 +55,8 @@ class ModelRunner:
         # the accept rule is ~10 small ops: compiled it pays on CUDA (one graph replay), not on the CPU, where
         # the compiled call's own overhead is more than its ops cost (docs/DESIGN.md §12)
         self.accept_rule = CompiledAcceptRule(self.device) if compile and self.device.type == "cuda" else accept_rule
-        if compile and hasattr(self.proposer, "compile"):  # its drafting calls, bucketed alike
-            self.proposer.compile()
+        if compile and hasattr(self.drafter, "compile"):  # its drafting calls, bucketed alike
+            self.drafter.compile()
         self.generators = [None] * num_slots
         # per-slot device copies, written at admission and advanced on the device after each accept rule,
         # so a step uploads nothing but the batch's slot ids (and those only when the batch changes)
@@ -68,7 +68,7 @@ class ModelRunner:
 
     @torch.no_grad()
     def admit(self, seq) -> RowResult:
-        """Prefill a new sequence into its (reset) slot, pick its first token, and let the proposer catch up
+        """Prefill a new sequence into its (reset) slot, pick its first token, and let the drafter catch up
         over the prompt rows. The first step then drafts like any other."""
         with self.tel.phase("prefill"):
             self.cache.reset_slot(seq.slot)
@@ -86,7 +86,7 @@ class ModelRunner:
             self.seq_lens[seq.slot], self.last[seq.slot] = len(seq.tokens), first[0]
         if self.max_drafts:
             with self.tel.phase("catch_up"):
-                self.proposer.admit(seq, hidden, first, tapped)
+                self.drafter.admit(seq, hidden, first, tapped)
         none, refused = self._no_drafts(1)
         return self._results(logits[:, None], first[:, None], none.nd, none, refused, [seq])[0]
 
@@ -100,7 +100,7 @@ class ModelRunner:
         if gamma:
             with phase("propose"):
                 u = self._uniforms(seqs, gamma, sampling)  # draw "drafts"
-                drafts = self.proposer.draft(seqs, gamma, u)
+                drafts = self.drafter.draft(seqs, gamma, u)
                 refused = refused if drafts.refused is None else drafts.refused
         with phase("verify"):
             seq_lens = self.seq_lens[slots]
@@ -125,17 +125,17 @@ class ModelRunner:
                 c = self.cache
                 self.model.ops.commit_state(c.ssm_state, c.conv_state, c.ssm_stash(Bp, K)[:, :B],
                                             c.conv_stash(Bp, K)[:, :B], slots, na, na < gamma)
-        if self.max_drafts:  # a proposer that drafts follows every step, γ = 0 ones too
+        if self.max_drafts:  # a drafter that drafts follows every step, γ = 0 ones too
             with phase("catch_up"):
                 verified = VerifiedRows(slots, seq_lens, emitted, self.cache.hidden_stash(B, K),
                                         self.cache.tap_stash(B, K) if self.taps else None)
-                self.proposer.catch_up(seqs, verified, na)
+                self.drafter.catch_up(seqs, verified, na)
         with phase("copy"):
             return self._results(logits, emitted, na, drafts, refused, seqs)
 
     def compiled_calls(self) -> list:
         """This engine's compiled calls (none when eager), each Timed."""
-        parts = [self.compiled, self.accept_rule, getattr(self.proposer, "compiled", None)]
+        parts = [self.compiled, self.accept_rule, getattr(self.drafter, "compiled", None)]
         parts = [x for p in parts for x in (p.values() if isinstance(p, dict) else [p])]
         return [p for p in parts if isinstance(p, Timed)]
 
@@ -158,7 +158,7 @@ class ModelRunner:
         return u if column is None else u[:, column]
 
     def _q(self, drafts: Drafts, sampling: BatchSampling):
-        """(B, γ, V) the distribution each draft was drawn from (one-hot for a deterministic proposer)."""
+        """(B, γ, V) the distribution each draft was drawn from (one-hot for a deterministic drafter)."""
         if sampling.all_greedy or drafts.probs is not None:
             return drafts.probs
         return F.one_hot(drafts.tokens, self.cfg.vocab_size).to(torch.float32)

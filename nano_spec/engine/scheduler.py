@@ -1,19 +1,19 @@
 """The scheduler loop: requests in, tokens out, speculative decoding in between.
 
     step() = schedule -> run -> postprocess
-      schedule     admit waiting requests into free slots: prefill, first token, the proposer's catch-up
+      schedule     admit waiting requests into free slots: prefill, first token, the drafter's catch-up
       run          one speculative step of every live sequence (ModelRunner.step, docs/DESIGN.md §4)
       postprocess  emit each sequence's accepted drafts then the target's pick, stopping at the first
                    finishing token; release finished slots
 
 Everything here is host-side: lists of ints and Sequence objects. No tensor passes through.
-One fault policy: a row the runner reports bad (non-finite logits, drafts its proposer got
+One fault policy: a row the runner reports bad (non-finite logits, drafts its drafter got
 wrong) ends that sequence; anything a runner call raises ends every sequence of that call.
 """
 from collections import deque
 from dataclasses import dataclass, field
 
-from nano_spec.engine.sampling import SamplingParams
+from nano_spec.model.sampling import SamplingParams
 from nano_spec.text.tokenizer import IncrementalDecoder
 
 # Where an emitted token came from (docs/DESIGN.md §1)
@@ -114,7 +114,7 @@ class Scheduler:
         batch = self._schedule(report, focus)                                  # schedule
         if batch:
             gamma = self._gamma(batch)
-            t0, spent, compiled = self.tel.clock(), self.tel.proposer_seconds(), self.runner.compile_seconds()
+            t0, spent, compiled = self.tel.clock(), self.tel.drafter_seconds(), self.runner.compile_seconds()
             results = self._call(batch, "step", self.runner.step, batch, gamma)  # run
             if results is None:
                 report.failed += [s.id for s in batch]
@@ -146,11 +146,11 @@ class Scheduler:
         return self.planner.choose(len(batch))
 
     def _observe(self, B: int, gamma: int, t0: float, spent: float, results: list):
-        """The planner learns the step's time (and the proposer's share) and its accept counts; the thread
+        """The planner learns the step's time (and the drafter's share) and its accept counts; the thread
         tuner, its time."""
         seconds = self.tel.clock() - t0
         if self.planner:
-            self.planner.observe_step(B, gamma, seconds, self.tel.proposer_seconds() - spent,
+            self.planner.observe_step(B, gamma, seconds, self.tel.drafter_seconds() - spent,
                                       [(r.na, len(r.drafts)) for r in results if r.error is None])
         if self.threads is not None:
             self.threads.observe((B, gamma), seconds)

@@ -17,7 +17,7 @@ import time
 from collections import defaultdict
 from contextlib import contextmanager
 
-# mask: the verify's grammar masks; catch_up: the proposer's, after a verify or over a prompt; copy: the step's
+# mask: the verify's grammar masks; catch_up: the drafter's, after a verify or over a prompt; copy: the step's
 # one device-to-host copy
 PHASES = ("prefill", "propose", "verify", "mask", "verdict", "commit", "catch_up", "copy")
 SEQ_LEN_BUCKETS = (0, 128, 512, 2048, 8192)  # lower edges
@@ -66,8 +66,8 @@ class Telemetry:
         ms = seconds * 1e3
         self.phase_counts[name][next((i for i, e in enumerate(HIST_EDGES_MS) if ms <= e), len(HIST_EDGES_MS))] += 1
 
-    def proposer_seconds(self) -> float:
-        """Seconds spent in the proposer so far: drafting and catching up."""
+    def drafter_seconds(self) -> float:
+        """Seconds spent in the drafter so far: drafting and catching up."""
         return self.phase_seconds["propose"] + self.phase_seconds["catch_up"]
 
     def record_verify(self, na: int, emitted: int, seq_len: int, constrained: bool = False, nd: int = 0):

@@ -16,8 +16,8 @@ The stashes are written by a verify over B sequences x K rows:
                                             nT = 0 without one)
 
 They live in flat buffers sized for (S, max_k) and are viewed at the
-step's (B, K), so every view is contiguous. A proposer keeps its own state
-(the MTP head's KV rows live in proposers.MTPProposer).
+step's (B, K), so every view is contiguous. A drafter keeps its own state
+(the MTP head's KV rows live in drafters.mtp.MTPDrafter).
 """
 import torch
 

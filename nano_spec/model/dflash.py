@@ -19,7 +19,7 @@ One draft forward, for a sequence whose context holds positions 0 .. Tc-1:
     3. logits = head(RMSNorm_final(x)) * output_multiplier; rows 1 .. Bk-1 are the drafts
 
 The context's keys and values depend only on the committed rows, so the engine stores them once per
-row (proposers.DFlashProposer); the block's are recomputed by every draft and never stored.
+row (drafters.dflash.DFlashDrafter); the block's are recomputed by every draft and never stored.
 
 Stored as the reference implementation stores it (its `DFlashDraftModel`): a Qwen3 config.json whose
 `dflash_config` holds target_layer_ids, block_size and mask_token_id (and the two scales), plus
@@ -220,7 +220,7 @@ class Layer(nn.Module):
         self.self_attn, self.mlp = SelfAttention(cfg), SwiGLU(cfg)
 
 
-class DFlashDrafter(nn.Module):
+class DFlashModel(nn.Module):
     """The drafter's weights and its two forwards: `forward` (no cache: the reference, and training) and
     `draft_hidden` (the engine's: context K/V from a cache, the block through ops.attention_block)."""
 
@@ -296,7 +296,7 @@ class DFlashDrafter(nn.Module):
         return self
 
 
-def load_drafter(path, target: ModelConfig, ops, device, dtype) -> DFlashDrafter:
+def load_drafter(path, target: ModelConfig, ops, device, dtype) -> DFlashModel:
     """A drafter directory (config.json with dflash_config, model.safetensors) checked against the target."""
     path = Path(path)
     if not (path / "config.json").is_file():
@@ -305,5 +305,5 @@ def load_drafter(path, target: ModelConfig, ops, device, dtype) -> DFlashDrafter
     cfg = DFlashConfig.from_file(path / "config.json")
     cfg.check(target)
     with torch.device("meta"):
-        drafter = DFlashDrafter(cfg, ops)
+        drafter = DFlashModel(cfg, ops)
     return load_tensors(drafter, path, tensor_index(path), device, dtype)

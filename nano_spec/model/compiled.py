@@ -1,7 +1,7 @@
 """The compiled step (docs/DESIGN.md §12): the engine's hot calls through torch.compile, one static graph per bucket.
 
 Compiled: the target's verify (here), the MTP head's draft step and catch-up and the DFlash block forward
-(their proposers' compile()), and on CUDA the accept rule. A bucket is (Bp, K, kv): the batch padded up to
+(their drafters' compile()), and on CUDA the accept rule. A bucket is (Bp, K, kv): the batch padded up to
 a power of two (at most the slot count), K as the call asks, and the KV rows attention reads, the longest
 sequence after the call rounded up to a power of two (at least KV_MIN, at most the cache's length).
 Padding rows repeat row 0 (same ids, slot and length), so they compute and write exactly what row 0 does
@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from nano_spec.model.cache import HybridCache
-from nano_spec.engine.sampling import accept_rule
+from nano_spec.model.sampling import accept_rule
 from nano_spec_kernels.common import apply_rope_ref, conv_silu_ref, mamba_dt_ref, split_xbc
 
 
