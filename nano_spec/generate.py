@@ -43,7 +43,8 @@ def parse_args(argv):
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int)
     p.add_argument("--backend", choices=["auto", "torch", "triton"], default="auto")
-    p.add_argument("--compile", action="store_true", help="the step's hot calls through torch.compile (backend torch; docs/DESIGN.md §12)")
+    p.add_argument("--compile", action="store_true",
+                   help="the step's hot calls through torch.compile (backend torch; docs/DESIGN.md §12)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", help="float32, bfloat16 or float16 (default: the stored dtype on CUDA, float32 on CPU)")
     p.add_argument("--max-batch", type=int, default=8)
@@ -91,16 +92,17 @@ def show_drafts(tok, out, colour: bool) -> str:
     from nano_spec.text.tokenizer import IncrementalDecoder
 
     decoder = IncrementalDecoder(tok)  # a character split across tokens goes to the last
-    pieces = zip(out.origins, map(decoder.add, out.token_ids))
-    runs = [(o, "".join(t for _, t in run)) for o, run in itertools.groupby(pieces, key=lambda pair: pair[0])]
-    if colour:
-        return "".join(f"{ORIGINS[o][0]}{t}{RESET}" for o, t in runs)
-    return "".join(f"{ORIGINS[o][1][0]}{t}{ORIGINS[o][1][1]}" for o, t in runs)
+    runs = itertools.groupby(zip(out.origins, map(decoder.add, out.token_ids)), key=lambda pair: pair[0])
+    return "".join(mark(o, "".join(t for _, t in run), colour) for o, run in runs)
 
 
 def legend(colour: bool) -> str:
-    return "legend: " + "   ".join((f"{c}{name}{RESET}" if colour else f"{b[0]}{name}{b[1]}") + f" {what}"
-                                   for name, (c, b, what) in ORIGINS.items())
+    return "legend: " + "   ".join(f"{mark(o, o, colour)} {what}" for o, (_, _, what) in ORIGINS.items())
+
+
+def mark(origin: str, text: str, colour: bool) -> str:
+    c, brackets, _ = ORIGINS[origin]
+    return f"{c}{text}{RESET}" if colour else f"{brackets[0]}{text}{brackets[1]}"
 
 
 def tracer(tok):
@@ -117,11 +119,14 @@ def tracer(tok):
 
 
 def main(argv=None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)  # None: sys.argv[1:], as argparse reads it
     try:
         status = run(args)
         sys.stdout.flush()  # a reader that has gone shows here, not in the flush at exit
         return status
+    except ValueError as e:  # every user error is a ValueError with a message naming the problem
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:  # Ctrl-C while loading or streaming: no traceback; 130 as for SIGINT
         print("interrupted", file=sys.stderr)
         return 130
@@ -134,54 +139,48 @@ def run(args) -> int:
     from nano_spec.engine.llm import LLM  # after argparse: --help stays instant
     from nano_spec.model.sampling import SamplingParams
 
-    try:
-        check_threads(args.threads)
-        prompts = read_prompts(args)
-        if args.system is not None and not args.chat:
-            raise ValueError("--system: only with --chat")
-        system = [] if args.system is None else [{"role": "system", "content": args.system}]
-        chats = [system + [{"role": "user", "content": p}] for p in prompts]
-        params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                                top_p=args.top_p, seed=args.seed, logprobs=args.logprobs, regex=args.regex,
-                                json_schema=None if args.json_schema is None else read_schema(args.json_schema),
-                                grammar=None if args.grammar is None else read_file("--grammar", args.grammar))
-        llm = LLM(args.model, backend=args.backend, device=args.device, dtype=args.dtype, max_batch=args.max_batch,
-                  num_drafts=0 if args.no_spec else args.num_drafts, proposer="none" if args.no_spec else args.proposer,
-                  max_seq_len=args.max_seq_len, threads=args.threads, compile=args.compile,
-                  drafter=None if args.no_spec else args.drafter)
-        if args.trace:
-            llm.on_step = tracer(llm.tokenizer)
-        llm.watch_compile(lambda what, n, most, threads: print(
-            f"compiling: {what}, graph {n}{'' if most is None else f' of at most {most}'} at {threads} thread(s) "
-            "(once per shape bucket; later runs read inductor's on-disk cache)", file=sys.stderr, flush=True))
-        t0 = time.perf_counter()
-        if len(prompts) == 1 and not (args.json or args.show_drafts):
-            # validates the request before anything is printed; a chat prints the reply only
-            stream = llm.chat_stream(chats[0], params) if args.chat else llm.stream(prompts[0], params)
-            print("" if args.chat else prompts[0], end="", flush=True)
-            try:
-                for piece in stream:
-                    print(piece, end="", flush=True)
-            finally:
-                print(flush=True)  # end the line, also when Ctrl-C cuts the text
-            outs = [stream.output]
-        else:
-            outs = [None] * len(prompts)
-            try:
-                if args.chat:
-                    llm.chat(chats, params, on_finish=outs.__setitem__)
-                else:
-                    llm.generate(prompts, params, on_finish=outs.__setitem__)
-            except KeyboardInterrupt:  # what had finished is printed as in a full run
-                done = [o for o in outs if o is not None]
-                print_outputs(args, llm, done)
-                print(f"interrupted: {len(done)} of {len(outs)} requests had finished", file=sys.stderr)
-                return 130
-            print_outputs(args, llm, outs)
-        elapsed = time.perf_counter() - t0
-    except ValueError as e:  # every user error is a ValueError with a message naming the problem
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    check_threads(args.threads)
+    prompts = read_prompts(args)
+    if args.system is not None and not args.chat:
+        raise ValueError("--system: only with --chat")
+    system = [] if args.system is None else [{"role": "system", "content": args.system}]
+    chats = [system + [{"role": "user", "content": p}] for p in prompts]
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed, logprobs=args.logprobs, regex=args.regex,
+                            json_schema=None if args.json_schema is None else read_schema(args.json_schema),
+                            grammar=None if args.grammar is None else read_file("--grammar", args.grammar))
+    llm = LLM(args.model, backend=args.backend, device=args.device, dtype=args.dtype, max_batch=args.max_batch,
+              num_drafts=0 if args.no_spec else args.num_drafts, proposer="none" if args.no_spec else args.proposer,
+              max_seq_len=args.max_seq_len, threads=args.threads, compile=args.compile,
+              drafter=None if args.no_spec else args.drafter)
+    if args.trace:
+        llm.on_step = tracer(llm.tokenizer)
+    llm.watch_compile(lambda what, n, most, threads: print(
+        f"compiling: {what}, graph {n}{'' if most is None else f' of at most {most}'} at {threads} thread(s) "
+        "(once per shape bucket; later runs read inductor's on-disk cache)", file=sys.stderr, flush=True))
+    t0 = time.perf_counter()
+    if len(prompts) == 1 and not (args.json or args.show_drafts):
+        # validates the request before anything is printed; a chat prints the reply only
+        stream = llm.chat_stream(chats[0], params) if args.chat else llm.stream(prompts[0], params)
+        print("" if args.chat else prompts[0], end="", flush=True)
+        try:
+            for piece in stream:
+                print(piece, end="", flush=True)
+        finally:
+            print(flush=True)  # end the line, also when Ctrl-C cuts the text
+        outs = [stream.output]
+    else:
+        outs = [None] * len(prompts)
+        complete, requests = (llm.chat, chats) if args.chat else (llm.generate, prompts)
+        try:
+            complete(requests, params, on_finish=outs.__setitem__)
+        except KeyboardInterrupt:  # what had finished is printed as in a full run
+            done = [o for o in outs if o is not None]
+            print_outputs(args, llm, done)
+            print(f"interrupted: {len(done)} of {len(outs)} requests had finished", file=sys.stderr)
+            return 130
+        print_outputs(args, llm, outs)
+    elapsed = time.perf_counter() - t0
     failed = [(i, o) for i, o in enumerate(outs) if o.finish_reason == "error"]
     for i, o in failed:
         print(f"error: request {i} failed in the engine: {o.error}", file=sys.stderr)

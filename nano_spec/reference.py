@@ -1,11 +1,9 @@
 """Speculative decoding of one sequence, the whole algorithm in one screen (docs/DESIGN.md §10).
 
-No batching, no caches, no kernels: every step re-runs the model's no-cache forward
-over the whole sequence. Drafts come from the MTP head or n-gram lookup; the accept
-rule is greedy, or the lossless rejection rule when sampling (§5). The engine must
-emit exactly these tokens; tests/test_reference.py holds it to that. Random numbers
-are drawn in the engine's order: 1 for the first token, then per step γ for the
-drafts and K = γ + 1 for the accept rule.
+No batching, no caches, no kernels: every step re-runs the model's no-cache forward over the whole sequence. Drafts
+come from the MTP head or n-gram lookup; the accept rule is greedy, or the lossless rejection rule when sampling (§5).
+The engine must emit exactly these tokens; tests/test_reference.py holds it to that. Random numbers are drawn in the
+engine's order: 1 for the first token, then per step γ for the drafts and K = γ + 1 for the accept rule.
 """
 import torch
 
@@ -44,7 +42,7 @@ def speculative_generate(model, prompt: list, max_new_tokens: int, gamma: int = 
                          eos_ids=()) -> tuple:
     """-> (generated tokens, origin of each: "prefill", "draft", "correction" or "bonus")."""
     greedy, gen = temperature == 0, torch.Generator().manual_seed(seed)
-    rand = lambda n: None if greedy else torch.rand(n, generator=gen)  # noqa: E731
+    rand = lambda n: [None] * n if greedy else torch.rand(n, generator=gen)  # noqa: E731
     dist = lambda logits: filtered(logits, temperature, top_k, top_p)  # noqa: E731
     pick = lambda logits, u: int(logits.argmax()) if greedy else draw(dist(logits), u)  # noqa: E731
     tokens, out, origins = list(prompt), [], []
@@ -62,13 +60,12 @@ def speculative_generate(model, prompt: list, max_new_tokens: int, gamma: int = 
         for i in range(gamma):
             o = model.mtp_hidden(nxt, h)[:, -1:]  # (1, 1, D): predicts the token after nxt[-1]
             logits = model.mtp_logits(o[0, 0])
-            drafts.append(pick(logits, None if greedy else u[i]))
+            drafts.append(pick(logits, u[i]))
             qs.append(None if greedy else dist(logits))
             h, nxt = torch.cat([h, o], 1), torch.cat([nxt, torch.tensor([[drafts[-1]]])], 1)  # recurse on o
         return drafts, qs
 
-    u = rand(1)
-    if emit(pick(model(torch.tensor(tokens)[None])[0, -1], None if greedy else u[0]), "prefill"):
+    if emit(pick(model(torch.tensor(tokens)[None])[0, -1], rand(1)[0]), "prefill"):
         return out, origins
     while True:
         drafts, qs = propose(rand(gamma) if gamma else None)
@@ -82,13 +79,11 @@ def speculative_generate(model, prompt: list, max_new_tokens: int, gamma: int = 
                 return out, origins
         else:
             j = len(drafts)
-        if greedy:
-            v = int(logits[j].argmax())
-        elif j < len(drafts):  # after a rejection: the residual max(0, p - q) keeps the output exact
+        if greedy or j == len(drafts):
+            v = pick(logits[j], u[-1])
+        else:  # after a rejection: the residual max(0, p - q) keeps the output exact
             p = dist(logits[j])
             r = (p - qs[j]).clamp(min=0)
             v = draw(r if r.sum() > 0 else p, u[-1])
-        else:
-            v = draw(dist(logits[j]), u[-1])
         if emit(v, "bonus" if j == len(drafts) else "correction"):
             return out, origins

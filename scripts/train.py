@@ -49,7 +49,7 @@ from nano_spec.engine import threads as engine_threads  # noqa: E402  (the name 
 from nano_spec.model.config import ModelConfig  # noqa: E402
 from nano_spec.model.model import HybridLM  # noqa: E402
 from nano_spec.model.ops import Ops  # noqa: E402
-from nano_spec.model.weights import replace_dir, write_model  # noqa: E402
+from nano_spec.model.weights import init_weights, replace_dir, write_model  # noqa: E402
 
 EOS = "<|endoftext|>"
 LOG_FILE = "train_log.json"
@@ -117,7 +117,7 @@ def make_config(args, vocab_size: int, eos: int) -> ModelConfig:
 def build_model(cfg: ModelConfig, seed: int) -> HybridLM:
     ops = Ops("torch")  # differentiable references, with the SSD scan in place of the per-token loop
     ops.mamba_scan = functools.partial(ssd.mamba_scan_chunked, chunk_size=cfg.mamba_chunk_size)
-    model = HybridLM(cfg, ops).init_weights(std=0.02, seed=seed)
+    model = init_weights(HybridLM(cfg, ops), std=0.02, seed=seed)
     with torch.no_grad():  # GPT-2 style: residual-branch outputs scaled so the stream's variance stays O(1)
         scale = 1.0 / math.sqrt(2 * (cfg.num_hidden_layers + 1))
         for name, p in model.named_parameters():

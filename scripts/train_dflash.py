@@ -56,7 +56,7 @@ from arg_types import Parser, device, existing_path, indices, integer, learning_
 from nano_spec.model import ssd  # noqa: E402
 from nano_spec.model.config import ModelConfig  # noqa: E402
 from nano_spec.model.dflash import DFlashConfig, DFlashModel  # noqa: E402
-from nano_spec.model.weights import replace_dir, stored_dtype, write_model
+from nano_spec.model.weights import init_weights, replace_dir, stored_dtype, write_model
 from nano_spec.model.model import load_model  # noqa: E402
 
 LOG_FILE = "dflash_train_log.json"
@@ -246,7 +246,7 @@ def run(args, base: Path, out: Path, cfg: ModelConfig, dcfg: DFlashConfig, data:
     model = load_model(base, device=device, dtype=torch.float32)  # the target, frozen
     model.requires_grad_(False)
     model.ops.mamba_scan = functools.partial(ssd.mamba_scan_chunked, chunk_size=cfg.mamba_chunk_size)  # chunked SSD
-    drafter = DFlashModel(dcfg, model.ops).init_weights(seed=args.seed).to(device)  # fp32, trainable
+    drafter = init_weights(DFlashModel(dcfg, model.ops), seed=args.seed).to(device)  # fp32, trainable
     params = list(drafter.parameters())
     n_drafter, n_base = sum(p.numel() for p in params), sum(p.numel() for p in model.model.parameters())
     log(f"target {base}: {n_base / 1e6:.2f}M params, frozen; drafter {n_drafter / 1e6:.2f}M params: "

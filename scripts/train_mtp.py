@@ -181,8 +181,7 @@ def mtp_unroll(model, next_ids, h, depth: int) -> list:
         return attn.o_proj(out.transpose(1, 2).flatten(2))
 
     for d in range(1, depth + 1):
-        m = model._mtp_input(next_ids[:, d - 1:d - 1 + A], o)
-        o = model._stack(m, [model.mtp.layer], None, lambda i, layer, y: mix(d, y))
+        o = model._mtp(next_ids[:, d - 1:d - 1 + A], o, lambda attn, y: mix(d, y))
         outs.append(o)
     return outs
 

@@ -63,8 +63,9 @@ def mtp_kv(cfg, num_slots: int, max_len: int, device="cpu"):
 def tiny_model(seed: int = 0, backend: str = "torch", **overrides):
     from nano_spec.model.model import HybridLM
     from nano_spec.model.ops import Ops
+    from nano_spec.model.weights import init_weights
 
-    model = HybridLM(tiny_config(**overrides), Ops(backend)).init_weights(std=0.2, seed=seed)
+    model = init_weights(HybridLM(tiny_config(**overrides), Ops(backend)), std=0.2, seed=seed)
     with torch.no_grad():  # non-trivial norm weights and skip, so a wrong weight shows
         gen = torch.Generator().manual_seed(seed + 1)
         for name, p in model.named_parameters():

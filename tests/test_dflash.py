@@ -10,13 +10,13 @@ import torch
 from helpers import assert_close, tiny_config
 from nano_spec.model.dflash import DFlashConfig, DFlashModel, default_taps, load_drafter
 from nano_spec.model.ops import Ops
-from nano_spec.model.weights import save_model
+from nano_spec.model.weights import init_weights, save_model
 
 
 def tiny_drafter(cfg=None, layers: int = 2, block: int = 4, seed: int = 0, **kw) -> DFlashModel:
     cfg = cfg or tiny_config()
     d = DFlashModel(DFlashConfig.for_target(cfg, num_layers=layers, block_size=block, **kw), Ops("torch"))
-    d.init_weights(std=0.2, seed=seed)
+    init_weights(d, std=0.2, seed=seed)
     with torch.no_grad():  # non-trivial norm weights, so a norm applied in the wrong place shows
         for name, p in d.named_parameters():
             if name.endswith("norm.weight"):
@@ -85,16 +85,18 @@ def test_config_is_the_reference_format(tmp_path):
     assert stored["dflash_config"]["block_size"] == 6
     assert stored["dflash_config"]["target_layer_ids"] == default_taps(cfg.num_hidden_layers, 2)
     assert stored["dflash_config"]["mask_token_id"] == cfg.eos_token_id
-    back = load_drafter(tmp_path / "dflash", cfg, Ops("torch"), "cpu", torch.float32)
+    dcfg = DFlashConfig.from_file(tmp_path / "dflash" / "config.json")
+    dcfg.check(cfg)
+    back = load_drafter(tmp_path / "dflash", dcfg, Ops("torch"), "cpu", torch.float32)
     for (n, a), (_, b) in zip(d.state_dict().items(), back.state_dict().items()):
         assert torch.equal(a, b), n
     other = tiny_config(hidden_size=32)
     with pytest.raises(ValueError, match="hidden_size: 48 != the target's 32"):
-        load_drafter(tmp_path / "dflash", other, Ops("torch"), "cpu", torch.float32)
+        dcfg.check(other)
     with pytest.raises(ValueError, match="target_layer_ids"):
-        load_drafter(tmp_path / "dflash", tiny_config(layer_types=["mamba"]), Ops("torch"), "cpu", torch.float32)
-    with pytest.raises(ValueError, match="no config.json"):
-        load_drafter(tmp_path, cfg, Ops("torch"), "cpu", torch.float32)
+        dcfg.check(tiny_config(layer_types=["mamba"]))
+    with pytest.raises(ValueError, match="drafter: cannot read"):  # no config.json (the engine: "no DFlash drafter")
+        DFlashConfig.from_file(tmp_path / "config.json")
 
 
 def test_target_taps_are_the_layer_outputs(tmp_path):

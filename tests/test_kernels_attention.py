@@ -10,9 +10,9 @@ import torch
 from nano_spec_kernels.attention_prefill import attention_prefill, attention_prefill_ref
 import torch.nn.functional as F
 
-from nano_spec_kernels.attention_verify import (_attention_block, _attention_verify, attention_block,
-                                                attention_block_ref, attention_verify, attention_verify_ref)
-from nano_spec_kernels.common import apply_rope_ref
+from nano_spec_kernels.attention_verify import (attention_block, attention_block_plan, attention_block_ref,
+                                                attention_verify, attention_verify_plan, attention_verify_ref)
+from nano_spec_kernels.common import apply_rope_ref, launch
 from helpers import assert_close, assert_refuses, assert_unchanged
 
 SCALE = 0.37  # deliberately not 1/sqrt(Dh): the kernels must use the given scale
@@ -109,7 +109,7 @@ def test_attention_verify_matches_reference(device, Bsz, K, Hq, Hkv, Dh, theta, 
     if Bsz > 2:
         lens[1] = 0  # and one starts from an empty cache
 
-    o = _attention_verify(q, k, v, kc[:, :L], vc[:, :L], slots, lens, SCALE, theta, num_splits=splits)
+    o = launch(attention_verify_plan, q, k, v, kc[:, :L], vc[:, :L], slots, lens, SCALE, theta, num_splits=splits)
     o_ref = attention_verify_ref(q, k, v, kc_ref[:, :L], vc_ref[:, :L], slots, lens, SCALE, theta)
 
     _record("attention_verify", assert_close("o", o_ref, o))
@@ -188,7 +188,7 @@ def test_attention_block_matches_reference(device, Bsz, Kb, Hq, Hkv, Dh, theta, 
     if Bsz > 2:
         lens[2] = 37  # not a multiple of Kb nor of the key block
 
-    o = _attention_block(q, k, v, kc[:, :L], vc[:, :L], slots, lens, SCALE, theta, num_splits=splits)
+    o = launch(attention_block_plan, q, k, v, kc[:, :L], vc[:, :L], slots, lens, SCALE, theta, num_splits=splits)
     o_ref = attention_block_ref(q, k, v, kc0[:, :L], vc0[:, :L], slots, lens, SCALE, theta)
 
     _record("attention_block", assert_close("o", o_ref, o))

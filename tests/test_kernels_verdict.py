@@ -10,9 +10,10 @@ import inspect
 import pytest
 import torch
 
+from nano_spec_kernels.common import launch
 from nano_spec_kernels.gather_rows import gather_rows, gather_rows_ref
-from nano_spec_kernels.verdict_greedy import _verdict_greedy, verdict_greedy, verdict_greedy_ref
-from nano_spec_kernels.verdict_sample import _verdict_sample, sampling_probs_ref, verdict_sample, verdict_sample_ref
+from nano_spec_kernels.verdict_greedy import verdict_greedy, verdict_greedy_plan, verdict_greedy_ref
+from nano_spec_kernels.verdict_sample import sampling_probs_ref, verdict_sample, verdict_sample_plan, verdict_sample_ref
 from helpers import assert_refuses, assert_unchanged
 
 ERRS: dict[str, float] = {}
@@ -69,7 +70,7 @@ def _greedy_loop(logits, drafts, nd):
 
 
 def _check_greedy(logits, drafts, nd, block_v=None, splits=None):
-    picks, na = _verdict_greedy(logits, drafts, nd, block_v=block_v, num_splits=splits)
+    picks, na = launch(verdict_greedy_plan, logits, drafts, nd, block_v=block_v, num_splits=splits)
     r_picks, r_na = verdict_greedy_ref(logits, drafts, nd)
     l_picks, l_na = _greedy_loop(logits, drafts, nd)
     assert_unchanged("picks vs reference", r_picks, picks)
@@ -166,7 +167,7 @@ def test_verdict_greedy_bitmask(device, Bsz, K, V, block_v, splits):
     drafts[-1, 0] = (drafts[-1, 0] + 1) % V  # last sequence: its first draft is rejected
     nd = torch.full((Bsz,), K - 1, device=device)
     before = logits.clone()
-    picks, na = _verdict_greedy(logits, drafts, nd, bitmask, block_v=block_v, num_splits=splits)
+    picks, na = launch(verdict_greedy_plan, logits, drafts, nd, bitmask, block_v=block_v, num_splits=splits)
     r_picks, r_na = verdict_greedy_ref(logits, drafts, nd, bitmask)
     assert_unchanged("logits", before, logits)
     assert_unchanged("masked picks vs reference", r_picks, picks)
@@ -174,12 +175,12 @@ def test_verdict_greedy_bitmask(device, Bsz, K, V, block_v, splits):
     assert_unchanged("masked na vs reference", r_na, na)
     assert na.tolist() == [K - 1] * (Bsz - 1) + [0]
     assert bool(allowed.gather(-1, picks[..., None]).all()), "a pick outside the mask"
-    plain_picks, _ = _verdict_greedy(logits, drafts, nd, block_v=block_v, num_splits=splits)
+    plain_picks, _ = launch(verdict_greedy_plan, logits, drafts, nd, block_v=block_v, num_splits=splits)
     assert_unchanged("unmasked rows (all bits set)", plain_picks[0, 1:], picks[0, 1:])
     # a mask that allows everything is no mask at all, in the kernel and the reference
     ones = torch.full_like(bitmask, -1)
-    assert_unchanged("all-ones mask", plain_picks, _verdict_greedy(logits, drafts, nd, ones, block_v=block_v,
-                                                                   num_splits=splits)[0])
+    assert_unchanged("all-ones mask", plain_picks, launch(verdict_greedy_plan, logits, drafts, nd, ones,
+                                                          block_v=block_v, num_splits=splits)[0])
     assert_unchanged("all-ones mask (reference)", verdict_greedy_ref(logits, drafts, nd)[0],
                      verdict_greedy_ref(logits, drafts, nd, ones)[0])
 
@@ -251,7 +252,7 @@ def test_verdict_sample_matches_reference(device, Bsz, K, V, block_v):
     value, which for random fp32 uniforms has probability ~1e-6 per draw, and the seed is fixed."""
     args = _sample_inputs(Bsz, K, V, device)
     args[4][0, K - 1] = 0.0  # u = 0: the first token with mass
-    na, token = _verdict_sample(*args, block_v=block_v)
+    na, token = launch(verdict_sample_plan, *args, block_v=block_v)
     r_na, r_token = verdict_sample_ref(*args)
     assert_unchanged("na", r_na, na)
     assert_unchanged("token", r_token, token)

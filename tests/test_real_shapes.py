@@ -67,10 +67,10 @@ def test_saved_config_has_the_published_field_names_and_spelling(tmp_path):
     as published: layer_types "mamba"/"attention", intermediate_size beside shared_intermediate_size."""
     from nano_spec.model.model import HybridLM
     from nano_spec.model.ops import Ops
-    from nano_spec.model.weights import save_model
+    from nano_spec.model.weights import init_weights, save_model
 
     hub = dict(shrunk(), vocab_size=512, bos_token_id=257, eos_token_id=257, pad_token_id=256)
-    save_model(HybridLM(ModelConfig.from_dict(hub), Ops("torch")).init_weights(std=0.02, seed=0), tmp_path / "ck")
+    save_model(init_weights(HybridLM(ModelConfig.from_dict(hub), Ops("torch")), std=0.02, seed=0), tmp_path / "ck")
     saved = json.loads((tmp_path / "ck" / "config.json").read_text())
     published = granite_350m()
     assert set(saved) - set(published) == EXTRA

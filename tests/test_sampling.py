@@ -20,6 +20,7 @@ from nano_spec.drafters.dflash import DFlashDrafter
 from nano_spec.drafters.mtp import MTPDrafter
 from nano_spec.engine.runner import ModelRunner, cache_len
 from nano_spec.model.sampling import SamplingParams
+from nano_spec.model.weights import init_weights
 from nano_spec.engine.scheduler import Scheduler
 
 V, N_REQ, PROMPT = 8, 2400, [3, 1, 4, 1, 5]
@@ -60,7 +61,7 @@ def joint(model, n: int = 3):
 
 def sample(model, gamma: int, n_tokens: int, kind: str = "mtp"):
     if kind == "dflash":  # a random drafter: its q differs from the target's p, so the accept rule has work
-        drafter = DFlashModel(DFlashConfig.for_target(model.cfg, 1, gamma + 2), model.ops).init_weights(0.3, 4)
+        drafter = init_weights(DFlashModel(DFlashConfig.for_target(model.cfg, 1, gamma + 2), model.ops), 0.3, 4)
         proposer = DFlashDrafter(drafter, model, gamma, num_slots=64, max_len=cache_len(32, gamma))
     elif gamma:
         proposer = MTPDrafter(model, gamma, num_slots=64, max_len=cache_len(32, gamma))

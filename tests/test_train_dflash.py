@@ -14,6 +14,7 @@ from nano_spec.engine.llm import LLM
 from nano_spec.model.ops import Ops
 from nano_spec.model.sampling import SamplingParams
 from nano_spec.model.model import load_model
+from nano_spec.model.weights import init_weights
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = "def f(x):\n    return x + 1\n\nfor i in range(10):\n    print(f(i))\n" * 40
@@ -45,10 +46,10 @@ def test_writes_a_drafter_that_loads(trained):
     assert "tok/s" in err and "agreement by position: 1: " in err
     assert sorted(f.name for f in out.iterdir()) == ["config.json", "dflash_train_log.json", "model.safetensors"]
     target = load_model(base)
-    drafter = load_drafter(out, target.cfg, target.ops, "cpu", torch.float32)
+    drafter = load_drafter(out, DFlashConfig.from_file(out / "config.json"), target.ops, "cpu", torch.float32)
     cfg = drafter.cfg
     assert (cfg.block_size, cfg.num_hidden_layers, cfg.mask_token_id) == (4, 1, 0)
-    fresh = DFlashModel(cfg, target.ops).init_weights(seed=0).state_dict()  # the script's start (--seed 0)
+    fresh = init_weights(DFlashModel(cfg, target.ops), seed=0).state_dict()  # the script's start (--seed 0)
     assert any(not torch.equal(t, fresh[n]) for n, t in drafter.state_dict().items())  # trained
     log = json.loads((out / "dflash_train_log.json").read_text())
     assert log["steps"] == 3 and log["tokens_seen"] == 3 * 2 * 32 and log["finished"]
@@ -77,7 +78,7 @@ def test_stacked_anchors_equal_one_forward_per_anchor():
     script = load_script("train_dflash")
     cfg = tiny_config()
     drafter = DFlashModel(DFlashConfig.for_target(cfg, num_layers=2, block_size=4, mask_token_id=5), Ops("torch"))
-    drafter.init_weights(std=0.2, seed=1).eval()
+    init_weights(drafter, std=0.2, seed=1).eval()
     embed = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size)
     g = torch.Generator().manual_seed(0)
     B, T, Bk = 2, 12, 4

@@ -17,8 +17,8 @@ rounded values, as the reference does) and rotates q on load.
 """
 import torch
 
-from nano_spec_kernels.common import (DOT, ROW, Arg, Checker, Launch, apply_rope_ref, dot_precision,
-                                      online_softmax_step, pow2, rope_inv_freq, rope_load, run, sm_count, tl, triton)
+from nano_spec_kernels.common import (DOT, ROW, Arg, Checker, Launch, apply_rope_ref, dot_precision, launch,
+                                      online_softmax_step, pow2, rope_inv_freq, rope_load, tl, triton)
 
 _check = Checker("attention_prefill")
 _ARGS = {"q": Arg("T Hq Dh", DOT, ROW), "k, v": Arg("T Hkv Dh", "q", ROW),
@@ -105,26 +105,17 @@ def _prefill_attention_kernel(
     tl.store(p_o_blk, b_o.to(p_o.dtype.element_ty), mask=m_m[:, None] & m_d[None, :])
 
 
-def rope_store_meta(Dh: int) -> dict:
-    """_rope_store_kernel's meta-parameters (scripts/compile_check.py compiles these)."""
-    return dict(DH_PAD=pow2(Dh), BLOCK_T=32, num_warps=4)
-
-
 def prefill_meta(Dh: int, dtype: torch.dtype, cuda: bool) -> dict:
     """_prefill_attention_kernel's meta-parameters (scripts/compile_check.py compiles these), on sm_90:
     bf16/fp16: 64 x 64 blocks, 4 warps, 3 stages (no spill up to Dh = 128); fp32 ("ieee" tl.dot, on the FMA
     units): 32 x 32 blocks, the interpreter's, 8 warps, 2 stages, since 64 x 64 spills kilobytes at any warp count."""
-    if cuda and dtype != torch.float32:
-        block, warps, stages = 64, 4, 3
-    else:
-        block, warps, stages = 32, 8, 2
+    block, warps, stages = (64, 4, 3) if cuda and dtype != torch.float32 else (32, 8, 2)
     return dict(DH_PAD=pow2(Dh), BLOCK_M=block, BLOCK_N=block, DOT_PREC=dot_precision(dtype), num_warps=warps,
                 num_stages=stages)
 
 
 def attention_prefill_plan(q, k, v, k_cache, v_cache, slot: int, scale: float, rope_theta=None, *, cuda: bool,
                            n_sm: int):
-    """The launches of attention_prefill on a device of n_sm SMs (CUDA or the interpreter), and the output they fill."""
     d = _check.args(_ARGS, q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache)
     T, Hq, Hkv, Dh, S, L = d.T, d.Hq, d.Hkv, d.Dh, d.S, d.L
     _check(Hkv > 0 and Hq % Hkv == 0, f"Hq={Hq} must be a multiple of Hkv={Hkv}")
@@ -136,7 +127,7 @@ def attention_prefill_plan(q, k, v, k_cache, v_cache, slot: int, scale: float, r
 
     rope = rope_theta is not None
     inv_freq = rope_inv_freq(Dh, rope_theta, q.device)
-    store = rope_store_meta(Dh)
+    store = dict(DH_PAD=pow2(Dh), BLOCK_T=32, num_warps=4)
     o = torch.empty_like(q, memory_format=torch.contiguous_format)
     meta = prefill_meta(Dh, q.dtype, cuda)
     return [
@@ -153,7 +144,4 @@ def attention_prefill_plan(q, k, v, k_cache, v_cache, slot: int, scale: float, r
 
 def attention_prefill(q, k, v, k_cache, v_cache, slot: int, scale: float, rope_theta=None):
     """Triton version of attention_prefill_ref (same signature, same cache writes, same output)."""
-    launches, o = attention_prefill_plan(q, k, v, k_cache, v_cache, slot, scale, rope_theta,
-                                         cuda=q.is_cuda, n_sm=sm_count(q.device))
-    run(launches)
-    return o
+    return launch(attention_prefill_plan, q, k, v, k_cache, v_cache, slot, scale, rope_theta)

@@ -24,9 +24,8 @@ is only read. It shares the split plan and `_combine_kernel`: the block rows are
 """
 import torch
 
-from nano_spec_kernels.common import (DOT, INT, ROW, Arg, Checker, Launch, apply_rope_ref, dot_precision,
-                                      next_pow2, online_softmax_step, pow2, rope_inv_freq, rope_load, run, sm_count,
-                                      split_plan, tl, triton)
+from nano_spec_kernels.common import (DOT, INT, ROW, Arg, Checker, Launch, apply_rope_ref, dot_precision, launch,
+                                      online_softmax_step, pow2, rope_inv_freq, rope_load, split_plan, tl, triton)
 
 _check = Checker("attention_verify")
 _ARGS = {"q": Arg("B K Hq Dh", DOT, ROW), "k, v": Arg("B K Hkv Dh", "q", ROW),
@@ -36,42 +35,39 @@ _BLOCK_ARGS = {"q": Arg("B Kb Hq Dh", DOT, ROW), "k, v": Arg("B Kb Hkv Dh", "q",
                "k_cache, v_cache": Arg("S L Hkv Dh", "q", ROW), "slot_ids, ctx_lens": Arg("B", INT)}
 
 
+def _attend_ref(q, keys, vals, visible, scale: float):
+    """Softmax attention in fp32 of q (B, K, Hq, Dh) over keys, vals (B, N, Hkv, Dh) where visible, a mask that
+    broadcasts to the scores (B, Hq, K, N); o (B, K, Hq, Dh) in q's dtype."""
+    rep = q.shape[2] // keys.shape[2]  # query heads per KV head
+    kf, vf = (t.float().repeat_interleave(rep, dim=2) for t in (keys, vals))  # (B, N, Hq, Dh)
+    s = torch.einsum("bqhd,bkhd->bhqk", q.float(), kf) * scale  # (B, Hq, K, N)
+    s = s.masked_fill(~visible, float("-inf"))
+    return torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), vf).to(q.dtype)
+
+
 def attention_verify_ref(q, k, v, k_cache, v_cache, slot_ids, seq_lens, scale: float, rope_theta=None):
     """q (B, K, Hq, Dh), k, v (B, K, Hkv, Dh); k_cache, v_cache (S, L, Hkv, Dh) of one layer;
     slot_ids, seq_lens (B,). Writes cache rows seq_lens[b] .. +K-1; returns o (B, K, Hq, Dh).
     Only the first L cache rows are read, so a caller may pass a view cut to max(seq_lens) + K."""
     K, L = q.shape[1], k_cache.shape[1]
-    rep = q.shape[2] // k.shape[2]  # query heads per KV head
     pos = seq_lens[:, None] + torch.arange(K, device=q.device)  # (B, K)
-    q = apply_rope_ref(q, pos, rope_theta)
     k_cache[slot_ids[:, None], pos] = apply_rope_ref(k, pos, rope_theta)  # k is cached rotated
     v_cache[slot_ids[:, None], pos] = v
-    kf = k_cache[slot_ids].float().repeat_interleave(rep, dim=2)  # (B, L, Hq, Dh)
-    vf = v_cache[slot_ids].float().repeat_interleave(rep, dim=2)
-    s = torch.einsum("bqhd,bkhd->bhqk", q.float(), kf) * scale  # (B, Hq, K, L)
     visible = torch.arange(L, device=q.device)[None, None, :] <= pos[:, :, None]  # (B, K, L)
-    s = s.masked_fill(~visible[:, None], float("-inf"))
-    return torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), vf).to(q.dtype)
+    return _attend_ref(apply_rope_ref(q, pos, rope_theta), k_cache[slot_ids], v_cache[slot_ids], visible[:, None],
+                       scale)
 
 
 def attention_block_ref(q, k, v, k_cache, v_cache, slot_ids, ctx_lens, scale: float, rope_theta=None):
-    """q (B, Kb, Hq, Dh), k, v (B, Kb, Hkv, Dh): a block of rows at positions ctx_lens[b] + j, rotated here;
-    k_cache, v_cache (S, L, Hkv, Dh) of one layer, rows [0, ctx_lens[b]) of slot slot_ids[b] visible, already
-    rotated, never written. Every block row attends to those cache rows and to all Kb block rows (non-causal).
-    Returns o (B, Kb, Hq, Dh)."""
+    """q (B, Kb, Hq, Dh), k, v (B, Kb, Hkv, Dh) at positions ctx_lens[b] + j, rotated here; k_cache, v_cache
+    (S, L, Hkv, Dh) of one layer, already rotated, only read. Returns o (B, Kb, Hq, Dh)."""
     Kb, L = q.shape[1], k_cache.shape[1]
-    rep = q.shape[2] // k.shape[2]  # query heads per KV head
     pos = ctx_lens[:, None] + torch.arange(Kb, device=q.device)  # (B, Kb)
-    q = apply_rope_ref(q, pos, rope_theta)
     keys = torch.cat((k_cache[slot_ids], apply_rope_ref(k, pos, rope_theta)), 1)  # (B, L + Kb, Hkv, Dh)
     vals = torch.cat((v_cache[slot_ids], v), 1)
-    kf = keys.float().repeat_interleave(rep, dim=2)  # (B, L + Kb, Hq, Dh)
-    vf = vals.float().repeat_interleave(rep, dim=2)
-    s = torch.einsum("bqhd,bkhd->bhqk", q.float(), kf) * scale  # (B, Hq, Kb, L + Kb)
     n = torch.arange(L + Kb, device=q.device)
     visible = (n[None, :] < ctx_lens[:, None]) | (n[None, :] >= L)  # (B, L + Kb): the context, then the block
-    s = s.masked_fill(~visible[:, None, None], float("-inf"))
-    return torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), vf).to(q.dtype)
+    return _attend_ref(apply_rope_ref(q, pos, rope_theta), keys, vals, visible[:, None, None], scale)
 
 
 @triton.jit
@@ -191,43 +187,36 @@ def verify_meta(Hq: int, Hkv: int, Dh: int, K: int, dtype: torch.dtype, cuda: bo
       fp32 ("ieee" tl.dot, on the FMA units): 32-key blocks, the interpreter's (so CUDA fp32 blocks the sum as the
         tests do), 8 warps, 2 stages; 4 warps spill at Dh = 128."""
     DH_PAD, BLOCK_M = pow2(Dh), pow2((Hq // Hkv) * K)
+    block_n, warps, stages = 32, 8, 2  # fp32, and the interpreter
     if cuda and dtype != torch.float32:
         block_n, warps, stages = min(64, max(16, 4096 // DH_PAD)), 4 if BLOCK_M * DH_PAD < 64 * 128 else 8, 3
-    else:
-        block_n, warps, stages = 32, 8, 2
     return dict(BLOCK_M=BLOCK_M, BLOCK_N=block_n, DH_PAD=DH_PAD, K_PAD=pow2(K),
                 DOT_PREC=dot_precision(dtype), num_warps=warps, num_stages=stages)
 
 
-def combine_meta(Dh: int, splits: int) -> dict:
-    """_combine_kernel's meta-parameters."""
-    return dict(DH_PAD=pow2(Dh), SPLITS_PAD=triton.next_power_of_2(splits), num_warps=4)
-
-
 def attention_verify_plan(q, k, v, k_cache, v_cache, slot_ids, seq_lens, scale, rope_theta=None, num_splits=None, *,
                           cuda: bool, n_sm: int):
-    """The launches of attention_verify on a device of n_sm SMs (CUDA or the interpreter), and the output they fill."""
-    d = _check.args(_ARGS, q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_ids=slot_ids, seq_lens=seq_lens)
-    return _plan(_check, d.K, q, k, v, k_cache, v_cache, slot_ids, seq_lens, scale, rope_theta, num_splits, cuda, n_sm,
-                 causal=True, write_kv=True)
+    _check.args(_ARGS, q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_ids=slot_ids, seq_lens=seq_lens)
+    return _plan(_check, q, k, v, k_cache, v_cache, slot_ids, seq_lens, scale, rope_theta, num_splits, cuda, n_sm,
+                 verify=True)
 
 
 def attention_block_plan(q, k, v, k_cache, v_cache, slot_ids, ctx_lens, scale, rope_theta=None, num_splits=None, *,
                          cuda: bool, n_sm: int):
-    """The launches of attention_block (the kernel with CAUSAL=False, WRITE_KV=False), and the output they fill."""
-    d = _check_block.args(_BLOCK_ARGS, q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_ids=slot_ids,
-                          ctx_lens=ctx_lens)
-    return _plan(_check_block, d.Kb, q, k, v, k_cache, v_cache, slot_ids, ctx_lens, scale, rope_theta, num_splits,
-                 cuda, n_sm, causal=False, write_kv=False)
+    _check_block.args(_BLOCK_ARGS, q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_ids=slot_ids,
+                      ctx_lens=ctx_lens)
+    return _plan(_check_block, q, k, v, k_cache, v_cache, slot_ids, ctx_lens, scale, rope_theta, num_splits, cuda,
+                 n_sm, verify=False)
 
 
-def _plan(check, K, q, k, v, k_cache, v_cache, slot_ids, seq_lens, scale, rope_theta, num_splits, cuda, n_sm, *,
-          causal: bool, write_kv: bool):
-    """The launches of either variant, its tensors already checked by `check` (which names the variant)."""
-    (Bsz, _, Hq, Dh), Hkv, L = q.shape, k.shape[2], k_cache.shape[1]
+def _plan(check, q, k, v, k_cache, v_cache, slot_ids, seq_lens, scale, rope_theta, num_splits, cuda, n_sm, *,
+          verify: bool):
+    """The launches of either variant, its tensors already checked by `check` (which names the variant); num_splits:
+    the split count, else split_plan's (tests force the split and unsplit paths)."""
+    (Bsz, K, Hq, Dh), Hkv, L = q.shape, k.shape[2], k_cache.shape[1]
     check(Hkv > 0 and Hq % Hkv == 0, f"Hq={Hq} must be a multiple of Hkv={Hkv}")
     check(rope_theta is None or Dh % 2 == 0, f"RoPE needs an even head dim, got {Dh}")
-    if write_kv:
+    if verify:
         check(1 <= K <= L, f"K={K} rows must be in [1, L={L}]")
     else:  # nothing is stored, so L does not bound the block
         check(K >= 1, f"Kb={K} block rows must be at least 1")
@@ -236,55 +225,36 @@ def _plan(check, K, q, k, v, k_cache, v_cache, slot_ids, seq_lens, scale, rope_t
         return [], o
 
     meta = verify_meta(Hq, Hkv, Dh, K, q.dtype, cuda)
-    DH_PAD = meta["DH_PAD"]
     chunk, splits = split_plan(L, meta["BLOCK_N"], Bsz * Hkv, n_sm, num_splits)  # keys per split
+    mpart = lpart = opart = o  # unused when there is one split
     if splits > 1:
-        mpart = torch.empty((Bsz, K, Hq, splits), dtype=torch.float32, device=q.device)
-        lpart = torch.empty_like(mpart)
-        opart = torch.empty((Bsz, K, Hq, splits, DH_PAD), dtype=torch.float32, device=q.device)
-    else:
-        mpart = lpart = opart = o  # unused
+        mpart, lpart = (torch.empty((Bsz, K, Hq, splits), dtype=torch.float32, device=q.device) for _ in range(2))
+        opart = torch.empty((Bsz, K, Hq, splits, meta["DH_PAD"]), dtype=torch.float32, device=q.device)
     inv_freq = rope_inv_freq(Dh, rope_theta, q.device)
     launches = [Launch(_verify_attention_kernel, (Bsz * Hkv, splits), (
         q, k, v, k_cache, v_cache, slot_ids, seq_lens, o, mpart, lpart, opart, inv_freq,
         L, chunk, float(scale),
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
         *k_cache.stride()[:3], *v_cache.stride()[:3], *o.stride()[:3],
-    ), dict(K=K, HKV=Hkv, REP=Hq // Hkv, DH=Dh, SPLITS=splits, ROPE=rope_theta is not None, CAUSAL=causal,
-            WRITE_KV=write_kv, **meta))]
+    ), dict(K=K, HKV=Hkv, REP=Hq // Hkv, DH=Dh, SPLITS=splits, ROPE=rope_theta is not None, CAUSAL=verify,
+            WRITE_KV=verify, **meta))]
     if splits > 1:
-        launches.append(Launch(_combine_kernel, (Bsz * K * Hq,), (mpart, lpart, opart, o, *o.stride()[:3]),
-                               dict(K=K, HQ=Hq, DH=Dh, SPLITS=splits, **combine_meta(Dh, splits))))
+        launches.append(Launch(_combine_kernel, (Bsz * K * Hq,), (mpart, lpart, opart, o, *o.stride()[:3]), dict(
+            K=K, HQ=Hq, DH=Dh, DH_PAD=meta["DH_PAD"], SPLITS=splits, SPLITS_PAD=pow2(splits, 1), num_warps=4)))
     return launches, o
-
-
-def _attention_verify(q, k, v, k_cache, v_cache, slot_ids, seq_lens, scale, rope_theta=None, num_splits=None):
-    """attention_verify with the split count exposed (tests force the split and unsplit paths)."""
-    launches, o = attention_verify_plan(q, k, v, k_cache, v_cache, slot_ids, seq_lens, scale, rope_theta, num_splits,
-                                        cuda=q.is_cuda, n_sm=sm_count(q.device))
-    run(launches)
-    return o
 
 
 def attention_verify(q, k, v, k_cache, v_cache, slot_ids, seq_lens, scale: float, rope_theta=None):
     """Triton version of attention_verify_ref (same signature, same cache writes, same output).
     The caller guarantees seq_lens[b] + K <= L (checked by the reference's indexing, not here: that
     would need a host sync); new rows past L are not stored."""
-    return _attention_verify(q, k, v, k_cache, v_cache, slot_ids, seq_lens, scale, rope_theta)
-
-
-def _attention_block(q, k, v, k_cache, v_cache, slot_ids, ctx_lens, scale, rope_theta=None, num_splits=None):
-    """attention_block with the split count exposed (tests force the split and unsplit paths)."""
-    launches, o = attention_block_plan(q, k, v, k_cache, v_cache, slot_ids, ctx_lens, scale, rope_theta, num_splits,
-                                       cuda=q.is_cuda, n_sm=sm_count(q.device))
-    run(launches)
-    return o
+    return launch(attention_verify_plan, q, k, v, k_cache, v_cache, slot_ids, seq_lens, scale, rope_theta)
 
 
 def attention_block(q, k, v, k_cache, v_cache, slot_ids, ctx_lens, scale: float, rope_theta=None):
     """Triton version of attention_block_ref (same signature, same output; the caches are only read).
     The caller guarantees ctx_lens[b] <= L (a check would need a host sync)."""
-    return _attention_block(q, k, v, k_cache, v_cache, slot_ids, ctx_lens, scale, rope_theta)
+    return launch(attention_block_plan, q, k, v, k_cache, v_cache, slot_ids, ctx_lens, scale, rope_theta)
 
 
 def attention_verify_bytes(B: int, K: int, Hq: int, Hkv: int, Dh: int, ctx: int, act: int, splits: int = 1,
@@ -298,5 +268,5 @@ def attention_verify_bytes(B: int, K: int, Hq: int, Hkv: int, Dh: int, ctx: int,
         "cache rows written": 2 * B * K * Hkv * Dh * act, "o": B * K * Hq * Dh * act,
     }
     if splits > 1:  # (m, l, acc) of every split, written by the splits and read by _combine_kernel
-        out["partials written"] = out["partials read"] = B * K * Hq * splits * (2 + max(16, next_pow2(Dh))) * 4
+        out["partials written"] = out["partials read"] = B * K * Hq * splits * (2 + pow2(Dh)) * 4
     return out

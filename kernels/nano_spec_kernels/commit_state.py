@@ -14,7 +14,7 @@ fold into the masks, so a row that does not commit moves no bytes and the host n
 """
 import torch
 
-from nano_spec_kernels.common import INT, Arg, Checker, Launch, run, sm_count, tl, triton
+from nano_spec_kernels.common import INT, Arg, Checker, Launch, launch, tl, triton
 
 _check = Checker("commit_state")
 _ARGS = {
@@ -67,13 +67,7 @@ def _commit_state_kernel(p_ssm_state, p_conv_state, p_ssm_stash, p_conv_stash, p
     tl.store(dst + o, tl.load(src + o_c * (Wm1 + K) + b_na + 1 + o_w, mask=m), mask=m)
 
 
-def commit_meta() -> dict:
-    """_commit_state_kernel's meta-parameters (scripts/compile_check.py compiles these)."""
-    return dict(BLOCK=1024, num_warps=4)
-
-
 def commit_state_plan(ssm_state, conv_state, ssm_stash, conv_stash, slot_ids, na, active, *, cuda: bool, n_sm: int):
-    """The launch of commit_state on a device of n_sm SMs (CUDA or the interpreter), and None (it works in place)."""
     d = _check.args(_ARGS, ssm_state=ssm_state, conv_state=conv_state, ssm_stash=ssm_stash, conv_stash=conv_stash,
                     slot_ids=slot_ids, na=na, active=active)
     L, S, Bsz, K, C, Wm1 = d.L, d.S, d.B, d.K, d.C, d.Wm1
@@ -81,17 +75,16 @@ def commit_state_plan(ssm_state, conv_state, ssm_stash, conv_stash, slot_ids, na
     if L * Bsz == 0:
         return [], None
     HPN = d.H * d.P * d.N
-    meta = commit_meta()
-    grid = (L * Bsz, triton.cdiv(max(HPN, C * Wm1), meta["BLOCK"]))
+    BLOCK = 1024
+    grid = (L * Bsz, triton.cdiv(max(HPN, C * Wm1), BLOCK))
     args = (ssm_state, conv_state, ssm_stash, conv_stash, slot_ids, na, active.view(torch.uint8), Bsz, S, K, HPN, C)
-    return [Launch(_commit_state_kernel, grid, args, dict(Wm1=Wm1, **meta))], None
+    return [Launch(_commit_state_kernel, grid, args, dict(Wm1=Wm1, BLOCK=BLOCK, num_warps=4))], None
 
 
 def commit_state(ssm_state, conv_state, ssm_stash, conv_stash, slot_ids, na, active):
     """Triton version of commit_state_ref (same arguments, in place, no host sync): all tensors
     contiguous on one device, each state with its stash's dtype."""
-    run(commit_state_plan(ssm_state, conv_state, ssm_stash, conv_stash, slot_ids, na, active,
-                          cuda=ssm_state.is_cuda, n_sm=sm_count(ssm_state.device))[0])
+    launch(commit_state_plan, ssm_state, conv_state, ssm_stash, conv_stash, slot_ids, na, active)
 
 
 def commit_state_bytes(L: int, B: int, K: int, H: int, P: int, N: int, C: int, W: int, act: int,

@@ -21,42 +21,43 @@ try:
 except ImportError:
     HAS_TRITON = False
 
-    class TritonUnavailable(ImportError):
-        """A kernel was launched, or triton used, where triton is not installed."""
-
     class _NoTriton:
         """Stands in for both `triton` and `triton.language`: `@triton.jit` and `tl.constexpr` evaluate
-        at import, so every `<name>_ref` works; launching a kernel or using any other name raises."""
+        at import, so every `<name>_ref` works; launching a kernel or using any other name raises an ImportError."""
         constexpr = None
 
         def jit(self, fn):
             return self
 
         def __getitem__(self, grid):
-            raise TritonUnavailable("triton is not installed; use backend='torch'")
+            raise ImportError("triton is not installed; use backend='torch'")
 
         def __getattr__(self, name):
             if name.startswith("__"):  # Python's own protocol lookups (copy, inspect) see a plain object
                 raise AttributeError(name)
-            raise TritonUnavailable(f"triton.{name}: triton is not installed; use backend='torch'")
+            raise ImportError(f"triton.{name}: triton is not installed; use backend='torch'")
 
     triton = tl = _NoTriton()
 
 
 class Launch(NamedTuple):
     """One kernel launch as a launcher plans it, kernel[grid](*args, **meta); meta holds the constexprs and
-    num_warps / num_stages. A launcher runs its plan; scripts/compile_check.py compiles the same plan for a
-    GPU it does not have."""
+    num_warps / num_stages. `<op>_plan(<op>'s arguments, *, cuda, n_sm)` checks them and returns the launches of
+    <op> on a device of n_sm SMs (CUDA or the interpreter) and the outputs they fill; the launcher runs its plan,
+    scripts/compile_check.py compiles the same plan for a GPU it does not have."""
     kernel: object
     grid: tuple
     args: tuple
     meta: dict
 
 
-def run(launches):
-    """Launch a plan's kernels in order."""
-    for launch in launches:
-        launch.kernel[launch.grid](*launch.args, **launch.meta)
+def launch(plan, *args, **kwargs):
+    """Run plan's launches, in order, on the device of args[0]; return the outputs they fill."""
+    device = args[0].device
+    launches, out = plan(*args, **kwargs, cuda=device.type == "cuda", n_sm=sm_count(device))
+    for one in launches:
+        one.kernel[one.grid](*one.args, **one.meta)
+    return out
 
 
 def one_of(*dtypes: torch.dtype) -> tuple:
@@ -79,12 +80,10 @@ class Arg(NamedTuple):
     layout: str = CONTIG
 
 
-class Checker:
+class Checker(NamedTuple):
     """A launcher's input checks, each failure a ValueError naming the kernel, not a Triton error deep inside:
     `chk(cond, msg)` for a one-line rule, `chk.args(table, **tensors)` for the tensors."""
-
-    def __init__(self, kernel: str):
-        self.kernel = kernel
+    kernel: str
 
     def __call__(self, cond: bool, msg: str):
         if not cond:
@@ -139,14 +138,9 @@ def _size(expr: str, dims: dict) -> int | str:
     return expr if None in (v for _, v in terms) else sum(-v if sign == "-" else v for sign, v in terms)
 
 
-def next_pow2(n: int) -> int:
-    """The least power of two >= n (1 for n <= 1), without triton."""
-    return 1 << max(0, n - 1).bit_length()
-
-
 def pow2(n: int, lo: int = 16) -> int:
-    """Block extent >= n: a power of two, at least lo (16: the smallest tl.dot operand side)."""
-    return max(lo, triton.next_power_of_2(n))
+    """Block extent >= n: a power of two, at least lo (16: the smallest tl.dot operand side); without triton."""
+    return max(lo, 1 << max(0, n - 1).bit_length())
 
 
 def cdiv(a: int, b: int) -> int:

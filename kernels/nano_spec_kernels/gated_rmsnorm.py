@@ -8,7 +8,7 @@ group rounds to z's dtype before the weight, as in the reference.
 import torch
 import torch.nn.functional as F
 
-from nano_spec_kernels.common import FLOAT, ROW, Arg, Checker, Launch, rms_normalize, run, sm_count, tl, triton
+from nano_spec_kernels.common import FLOAT, ROW, Arg, Checker, Launch, launch, rms_normalize, tl, triton
 
 _check = Checker("gated_rmsnorm")
 _ARGS = {"y, z": Arg("... d_in", FLOAT, ROW), "weight": Arg("d_in")}
@@ -37,31 +37,23 @@ def _gated_rmsnorm_kernel(p_y, p_z, p_w, p_out, d_in, group_size, eps, stride_y,
     tl.store(p_out + i_m * d_in + o, (b_w * b_n).to(p_out.dtype.element_ty), mask=m)
 
 
-def gated_meta(group_size: int) -> dict:
-    """_gated_rmsnorm_kernel's meta-parameters (scripts/compile_check.py compiles these): a group in one block."""
-    BLOCK = triton.next_power_of_2(group_size)
-    return dict(BLOCK=BLOCK, num_warps=min(16, max(1, BLOCK // 256)))
-
-
 def gated_rmsnorm_plan(y, z, weight, group_size: int, eps: float, *, cuda: bool, n_sm: int):
-    """The launch of gated_rmsnorm on a device of n_sm SMs (CUDA or the interpreter), and the output it fills."""
     d_in = _check.args(_ARGS, y=y, z=z, weight=weight).d_in
     _check(group_size >= 1 and d_in % group_size == 0, f"d_in={d_in} not divisible by group_size={group_size}")
     out = torch.empty(z.shape, dtype=torch.promote_types(weight.dtype, z.dtype), device=z.device)
     y2, z2 = y.reshape(-1, d_in), z.reshape(-1, d_in)
     if y2.shape[0] == 0 or d_in == 0:
         return [], out
+    BLOCK = triton.next_power_of_2(group_size)  # a group in one block
     return [Launch(_gated_rmsnorm_kernel, (y2.shape[0], d_in // group_size),
                    (y2, z2, weight, out, d_in, group_size, float(eps), y2.stride(0), z2.stride(0)),
-                   gated_meta(group_size))], out
+                   dict(BLOCK=BLOCK, num_warps=min(16, max(1, BLOCK // 256))))], out
 
 
 def gated_rmsnorm(y, z, weight, group_size: int, eps: float):
     """Triton version of gated_rmsnorm_ref: y, z (..., d_in) with unit last-dim stride (leading dims
     reshaped), weight (d_in,) contiguous; d_in % group_size == 0 -> new contiguous (..., d_in)."""
-    launches, out = gated_rmsnorm_plan(y, z, weight, group_size, eps, cuda=z.is_cuda, n_sm=sm_count(z.device))
-    run(launches)
-    return out
+    return launch(gated_rmsnorm_plan, y, z, weight, group_size, eps)
 
 
 def gated_rmsnorm_bytes(rows: int, d_in: int, act: int, param: int | None = None) -> dict:

@@ -6,7 +6,7 @@ Program (b, i) copies block i (BLOCK_D elements) of that row to out[b].
 """
 import torch
 
-from nano_spec_kernels.common import INT, ROW, Arg, Checker, Launch, run, sm_count, tl, triton
+from nano_spec_kernels.common import INT, ROW, Arg, Checker, Launch, launch, tl, triton
 
 _check = Checker("gather_rows")
 _ARGS = {"src": Arg("B K D", layout=ROW), "idx": Arg("B", INT)}
@@ -27,28 +27,20 @@ def _gather_rows_kernel(p_src, p_idx, p_out, D, s_src_b, s_src_k, s_out_b, BLOCK
     tl.store(p_out + i_b * s_out_b + o_d, b_x, mask=m_d)
 
 
-def gather_meta(D: int) -> dict:
-    """_gather_rows_kernel's meta-parameters (scripts/compile_check.py compiles these)."""
-    return dict(BLOCK_D=min(1024, triton.next_power_of_2(D)), num_warps=4)
-
-
 def gather_rows_plan(src, idx, *, cuda: bool, n_sm: int):
-    """The launch of gather_rows on a device of n_sm SMs (CUDA or the interpreter), and the output it fills."""
     d = _check.args(_ARGS, src=src, idx=idx)
     Bsz, D = d.B, d.D
     out = torch.empty((Bsz, D), dtype=src.dtype, device=src.device)
     if Bsz == 0 or D == 0:
         return [], out
-    meta = gather_meta(D)
+    meta = dict(BLOCK_D=min(1024, triton.next_power_of_2(D)), num_warps=4)
     return [Launch(_gather_rows_kernel, (Bsz, triton.cdiv(D, meta["BLOCK_D"])),
                    (src, idx, out, D, src.stride(0), src.stride(1), out.stride(0)), meta)], out
 
 
 def gather_rows(src, idx):
     """Triton version of gather_rows_ref; idx must lie in [0, K) (not checked: a host sync)."""
-    launches, out = gather_rows_plan(src, idx, cuda=src.is_cuda, n_sm=sm_count(src.device))
-    run(launches)
-    return out
+    return launch(gather_rows_plan, src, idx)
 
 
 def gather_rows_bytes(B: int, D: int, act: int) -> dict:

@@ -3,10 +3,10 @@ from zero state. Per head h of group g, with a_t = dt_t A_h (a log decay, <= 0):
 
     S_t = exp(a_t) S_{t-1} + dt_t x_t B_t^T,    y_t = S_t C_t + D_h x_t        (recurrent form)
 
-Two Triton kernels compute it, both one program per (head, block of BLOCK_P head dims) computing its conv
-channels on the fly (x of its head, B and C of its group, which every head block of the group recomputes):
+One Triton kernel computes it in either of two forms, one program per (head, block of BLOCK_P head dims) computing
+its conv channels on the fly (x of its head, B and C of its group, which every head block of the group recomputes):
 
-  recurrent: a loop over the T tokens, the (BLOCK_P, N) state in registers.
+  recurrent (Q = 1): a loop over the T tokens, the (BLOCK_P, N) state in registers.
   chunked (SSD): tokens in chunks of Q. With cumulative log decays
     Acum_t = sum_{tau <= t, same chunk} a_tau, inside a chunk starting from state S_prev:
 
@@ -21,8 +21,8 @@ channels on the fly (x of its head, B and C of its group, which every head block
 """
 import torch
 
-from nano_spec_kernels.common import (FLOAT, ROW, Arg, Checker, Launch, conv_silu_ref, load_conv_weights, load_head_params,
-                                      mamba_channels, mamba_dt, mamba_dt_ref, pow2, run, sm_count, split_xbc,
+from nano_spec_kernels.common import (FLOAT, ROW, Arg, Checker, Launch, conv_silu_ref, launch, load_conv_weights,
+                                      load_head_params, mamba_channels, mamba_dt, mamba_dt_ref, pow2, split_xbc,
                                       ssm_step_ref, tl, triton)
 
 # Q: tokens per chunk of the SSD form. tl.dot wants >= 16; with N = 128 a chunk of 32 needs more than 255 registers
@@ -80,42 +80,83 @@ def _store_conv_window(p_xbc, p_win, T, stride_t, o_c, m_c, Wm1: tl.constexpr, B
 
 
 @triton.jit
-def _mamba_scan_recurrent_kernel(
+def _mamba_scan_kernel(
     p_xbc, p_dt, p_conv_w, p_conv_b, p_dt_bias, p_A_log, p_D, p_y, p_state, p_win,
     T, dt_lo, dt_hi, stride_t, stride_dt,
     H: tl.constexpr, P: tl.constexpr, N: tl.constexpr, G: tl.constexpr, W: tl.constexpr,
     HAS_BIAS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
+    Q: tl.constexpr,
 ):
+    """grid (H, cdiv(P, BLOCK_P)): the recurrent form when Q = 1, else the chunked form in chunks of Q tokens."""
     i_h, i_p = tl.program_id(0), tl.program_id(1)
     o_p = i_p * BLOCK_P + tl.arange(0, BLOCK_P)
     o_n = tl.arange(0, BLOCK_N)
-    o_w = tl.arange(0, BLOCK_W)  # conv filter positions, BLOCK_W >= W here
     m_p, m_n = o_p < P, o_n < N
     o_cx, o_cb, o_cc = mamba_channels(i_h, o_p, o_n, H, P, N, G)  # conv channels: x of head h, B and C of group g
-    # window tiles (channels, taps): token t reads inputs t-(W-1)+w; pointers and weights hoisted
-    m_xw = m_p[:, None] & (o_w < W)[None, :]
-    m_nw = m_n[:, None] & (o_w < W)[None, :]
-    p_wx = p_xbc + (o_w[None, :] - (W - 1)) * stride_t + o_cx[:, None]
-    p_wb = p_xbc + (o_w[None, :] - (W - 1)) * stride_t + o_cb[:, None]
-    p_wc = p_xbc + (o_w[None, :] - (W - 1)) * stride_t + o_cc[:, None]
-    b_wx, b_bx = load_conv_weights(p_conv_w, p_conv_b, o_cx, m_p, o_w, W, HAS_BIAS)
-    b_wb, b_bb = load_conv_weights(p_conv_w, p_conv_b, o_cb, m_n, o_w, W, HAS_BIAS)
-    b_wc, b_bc = load_conv_weights(p_conv_w, p_conv_b, o_cc, m_n, o_w, W, HAS_BIAS)
-    b_A, b_D, b_dt_bias = load_head_params(p_A_log, p_D, p_dt_bias, i_h)
-    b_s = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)  # (BLOCK_P, N): zero initial state
-    p_yt = p_y + i_h * P + o_p
-    for t in range(T):
-        m_tap = (o_w + t >= W - 1)[None, :]  # taps before token 0 read the zero padding
-        b_x = tl.sum(tl.load(p_wx + t * stride_t, mask=m_xw & m_tap, other=0.0).to(tl.float32) * b_wx, axis=1) + b_bx
-        b_B = tl.sum(tl.load(p_wb + t * stride_t, mask=m_nw & m_tap, other=0.0).to(tl.float32) * b_wb, axis=1) + b_bb
-        b_C = tl.sum(tl.load(p_wc + t * stride_t, mask=m_nw & m_tap, other=0.0).to(tl.float32) * b_wc, axis=1) + b_bc
-        b_x = b_x / (1.0 + tl.exp(-b_x))  # SiLU
-        b_B = b_B / (1.0 + tl.exp(-b_B))
-        b_C = b_C / (1.0 + tl.exp(-b_C))
-        b_dt = mamba_dt(tl.load(p_dt + t * stride_dt + i_h).to(tl.float32) + b_dt_bias, dt_lo, dt_hi)
-        b_s = tl.exp(b_dt * b_A) * b_s + (b_dt * b_x)[:, None] * b_B[None, :]
-        b_y = tl.sum(b_s * b_C[None, :], axis=1) + b_D * b_x
-        tl.store(p_yt + t * (H * P), b_y.to(p_y.dtype.element_ty), mask=m_p)
+
+    if Q == 1:
+        o_w = tl.arange(0, BLOCK_W)  # conv filter positions, BLOCK_W >= W here
+        # window tiles (channels, taps): token t reads inputs t-(W-1)+w; pointers and weights hoisted
+        m_xw = m_p[:, None] & (o_w < W)[None, :]
+        m_nw = m_n[:, None] & (o_w < W)[None, :]
+        p_wx = p_xbc + (o_w[None, :] - (W - 1)) * stride_t + o_cx[:, None]
+        p_wb = p_xbc + (o_w[None, :] - (W - 1)) * stride_t + o_cb[:, None]
+        p_wc = p_xbc + (o_w[None, :] - (W - 1)) * stride_t + o_cc[:, None]
+        b_wx, b_bx = load_conv_weights(p_conv_w, p_conv_b, o_cx, m_p, o_w, W, HAS_BIAS)
+        b_wb, b_bb = load_conv_weights(p_conv_w, p_conv_b, o_cb, m_n, o_w, W, HAS_BIAS)
+        b_wc, b_bc = load_conv_weights(p_conv_w, p_conv_b, o_cc, m_n, o_w, W, HAS_BIAS)
+        b_A, b_D, b_dt_bias = load_head_params(p_A_log, p_D, p_dt_bias, i_h)
+        b_s = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)  # (BLOCK_P, N): zero initial state
+        p_yt = p_y + i_h * P + o_p
+        for t in range(T):
+            o_xt = t * stride_t  # offset of token t
+            m_tap = (o_w + t >= W - 1)[None, :]  # taps before token 0 read the zero padding
+            b_x = tl.sum(tl.load(p_wx + o_xt, mask=m_xw & m_tap, other=0.0).to(tl.float32) * b_wx, axis=1) + b_bx
+            b_B = tl.sum(tl.load(p_wb + o_xt, mask=m_nw & m_tap, other=0.0).to(tl.float32) * b_wb, axis=1) + b_bb
+            b_C = tl.sum(tl.load(p_wc + o_xt, mask=m_nw & m_tap, other=0.0).to(tl.float32) * b_wc, axis=1) + b_bc
+            b_x = b_x / (1.0 + tl.exp(-b_x))  # SiLU
+            b_B = b_B / (1.0 + tl.exp(-b_B))
+            b_C = b_C / (1.0 + tl.exp(-b_C))
+            b_dt = mamba_dt(tl.load(p_dt + t * stride_dt + i_h).to(tl.float32) + b_dt_bias, dt_lo, dt_hi)
+            b_s = tl.exp(b_dt * b_A) * b_s + (b_dt * b_x)[:, None] * b_B[None, :]
+            b_y = tl.sum(b_s * b_C[None, :], axis=1) + b_D * b_x
+            tl.store(p_yt + t * (H * P), b_y.to(p_y.dtype.element_ty), mask=m_p)
+    else:
+        o_q = tl.arange(0, Q)
+        b_A, b_D, b_dt_bias = load_head_params(p_A_log, p_D, p_dt_bias, i_h)
+        m_causal = o_q[:, None] >= o_q[None, :]  # (Q, Q): token t sees s <= t
+        b_s = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)  # (BLOCK_P, N) state entering the chunk
+        for t0 in range(0, T, Q):
+            o_t = t0 + o_q
+            m_t = o_t < T
+            # x (Q, BLOCK_P), B and C (Q, BLOCK_N)
+            b_x = _conv_silu_tokens(p_xbc, p_conv_w, p_conv_b, stride_t, o_t, m_t, o_cx, m_p, W, HAS_BIAS)
+            b_B = _conv_silu_tokens(p_xbc, p_conv_w, p_conv_b, stride_t, o_t, m_t, o_cb, m_n, W, HAS_BIAS)
+            b_C = _conv_silu_tokens(p_xbc, p_conv_w, p_conv_b, stride_t, o_t, m_t, o_cc, m_n, W, HAS_BIAS)
+            b_dt = tl.load(p_dt + o_t * stride_dt + i_h, mask=m_t, other=0.0).to(tl.float32) + b_dt_bias
+            b_dt = tl.where(m_t, mamba_dt(b_dt, dt_lo, dt_hi), 0.0)  # (Q,): padding tokens: dt = 0
+            b_a = b_dt * b_A  # (Q,) log decays; 0 on padding, so the chunk total is exact
+            b_acum = tl.cumsum(b_a, axis=0)  # (Q,)
+            b_alast = tl.sum(b_a, axis=0)
+            # segment sums Acum_t - Acum_s = sum_{s < tau <= t} a_tau, summed directly rather than
+            # subtracted: the difference of two large cumulative sums loses digits (decays reach -100s)
+            b_segsum = tl.cumsum(tl.where(o_q[:, None] > o_q[None, :], b_a[:, None], 0.0), axis=0)  # (Q, Q)
+            b_tail = tl.sum(tl.where(o_q[:, None] == Q - 1, b_segsum, 0.0), axis=0)  # (Q,): Acum_last - Acum_s
+
+            # intra-chunk: M[t, s] = (C_t . B_s) exp(Acum_t - Acum_s) dt_s for s <= t
+            b_cb = tl.dot(b_C, tl.trans(b_B), input_precision="ieee")  # (Q, Q)
+            b_m = b_cb * tl.exp(tl.where(m_causal, b_segsum, -float("inf"))) * b_dt[None, :]
+            b_y = tl.dot(b_m, b_x, input_precision="ieee")  # (Q, BLOCK_P)
+            # from the state passed in: exp(Acum_t) (C_t S_prev^T)
+            b_y += tl.exp(b_acum)[:, None] * tl.dot(b_C, tl.trans(b_s), input_precision="ieee")
+            b_y += b_D * b_x
+            p_y_blk = p_y + (o_t[:, None] * H + i_h) * P + o_p[None, :]
+            tl.store(p_y_blk, b_y.to(p_y.dtype.element_ty), mask=m_t[:, None] & m_p[None, :])
+
+            # state passing: S = exp(Acum_last) S + sum_s exp(Acum_last - Acum_s) dt_s x_s B_s^T
+            b_xw = b_x * (tl.exp(b_tail) * b_dt)[:, None]  # (Q, BLOCK_P)
+            b_s = tl.exp(b_alast) * b_s + tl.dot(tl.trans(b_xw), b_B, input_precision="ieee")
+
     tl.store(p_state + (i_h * P + o_p[:, None]) * N + o_n[None, :], b_s, mask=m_p[:, None] & m_n[None, :])
     # final window: x channels by their head block, B/C by the group's first head block
     # (vector compare: the interpreter mis-types block mask & scalar bool)
@@ -125,75 +166,19 @@ def _mamba_scan_recurrent_kernel(
     _store_conv_window(p_xbc, p_win, T, stride_t, o_cc, m_own, W - 1, BLOCK_W)
 
 
-@triton.jit
-def _mamba_scan_chunked_kernel(
-    p_xbc, p_dt, p_conv_w, p_conv_b, p_dt_bias, p_A_log, p_D, p_y, p_state, p_win,
-    T, dt_lo, dt_hi, stride_t, stride_dt,
-    H: tl.constexpr, P: tl.constexpr, N: tl.constexpr, G: tl.constexpr, W: tl.constexpr,
-    HAS_BIAS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
-    Q: tl.constexpr,
-):
-    i_h, i_p = tl.program_id(0), tl.program_id(1)
-    o_p = i_p * BLOCK_P + tl.arange(0, BLOCK_P)
-    o_n = tl.arange(0, BLOCK_N)
-    o_q = tl.arange(0, Q)
-    m_p, m_n = o_p < P, o_n < N
-    o_cx, o_cb, o_cc = mamba_channels(i_h, o_p, o_n, H, P, N, G)
-    b_A, b_D, b_dt_bias = load_head_params(p_A_log, p_D, p_dt_bias, i_h)
-    m_causal = o_q[:, None] >= o_q[None, :]  # (Q, Q): token t sees s <= t
-    b_s = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)  # (BLOCK_P, N) state entering the chunk
-
-    for t0 in range(0, T, Q):
-        o_t = t0 + o_q
-        m_t = o_t < T
-        b_x = _conv_silu_tokens(p_xbc, p_conv_w, p_conv_b, stride_t, o_t, m_t, o_cx, m_p, W, HAS_BIAS)  # (Q, BLOCK_P)
-        b_B = _conv_silu_tokens(p_xbc, p_conv_w, p_conv_b, stride_t, o_t, m_t, o_cb, m_n, W, HAS_BIAS)  # (Q, BLOCK_N)
-        b_C = _conv_silu_tokens(p_xbc, p_conv_w, p_conv_b, stride_t, o_t, m_t, o_cc, m_n, W, HAS_BIAS)  # (Q, BLOCK_N)
-        b_dt = tl.load(p_dt + o_t * stride_dt + i_h, mask=m_t, other=0.0).to(tl.float32) + b_dt_bias
-        b_dt = tl.where(m_t, mamba_dt(b_dt, dt_lo, dt_hi), 0.0)  # (Q,): padding tokens: dt = 0
-        b_a = b_dt * b_A  # (Q,) log decays; 0 on padding, so the chunk total is exact
-        b_acum = tl.cumsum(b_a, axis=0)  # (Q,)
-        b_alast = tl.sum(b_a, axis=0)
-        # segment sums Acum_t - Acum_s = sum_{s < tau <= t} a_tau, summed directly rather than
-        # subtracted: the difference of two large cumulative sums loses digits (decays reach -100s)
-        b_segsum = tl.cumsum(tl.where(o_q[:, None] > o_q[None, :], b_a[:, None], 0.0), axis=0)  # (Q, Q)
-        b_tail = tl.sum(tl.where(o_q[:, None] == Q - 1, b_segsum, 0.0), axis=0)  # (Q,): Acum_last - Acum_s
-
-        # intra-chunk: M[t, s] = (C_t . B_s) exp(Acum_t - Acum_s) dt_s for s <= t
-        b_cb = tl.dot(b_C, tl.trans(b_B), input_precision="ieee")  # (Q, Q)
-        b_m = b_cb * tl.exp(tl.where(m_causal, b_segsum, -float("inf"))) * b_dt[None, :]
-        b_y = tl.dot(b_m, b_x, input_precision="ieee")  # (Q, BLOCK_P)
-        # from the state passed in: exp(Acum_t) (C_t S_prev^T)
-        b_y += tl.exp(b_acum)[:, None] * tl.dot(b_C, tl.trans(b_s), input_precision="ieee")
-        b_y += b_D * b_x
-        p_y_blk = p_y + (o_t[:, None] * H + i_h) * P + o_p[None, :]
-        tl.store(p_y_blk, b_y.to(p_y.dtype.element_ty), mask=m_t[:, None] & m_p[None, :])
-
-        # state passing: S = exp(Acum_last) S + sum_s exp(Acum_last - Acum_s) dt_s x_s B_s^T
-        b_xw = b_x * (tl.exp(b_tail) * b_dt)[:, None]  # (Q, BLOCK_P)
-        b_s = tl.exp(b_alast) * b_s + tl.dot(tl.trans(b_xw), b_B, input_precision="ieee")
-
-    tl.store(p_state + (i_h * P + o_p[:, None]) * N + o_n[None, :], b_s, mask=m_p[:, None] & m_n[None, :])
-    _store_conv_window(p_xbc, p_win, T, stride_t, o_cx, m_p, W - 1, BLOCK_W)
-    m_own = m_n & ((o_n * 0 + (i_h % (H // G)) + i_p) == 0)
-    _store_conv_window(p_xbc, p_win, T, stride_t, o_cb, m_own, W - 1, BLOCK_W)
-    _store_conv_window(p_xbc, p_win, T, stride_t, o_cc, m_own, W - 1, BLOCK_W)
-
-
 def scan_meta(method: str, P: int, N: int, W: int) -> dict:
-    """Meta-parameters of the "recurrent" or "chunked" kernel (scripts/compile_check.py compiles these):
-    16 head dims per program, more programs for few heads; tl.dot needs blocks >= 16. The chunked kernel: 8 warps
+    """Meta-parameters of the "recurrent" or "chunked" form (scripts/compile_check.py compiles these):
+    16 head dims per program, more programs for few heads; tl.dot needs blocks >= 16. The chunked form: 8 warps
     (16 cap a thread at 128 registers and spill), 2 stages (the next chunk's loads in flight; a third adds shared
     memory and registers but no occupancy: 8 warps at ~220 registers fill an SM's register file already)."""
     common = dict(BLOCK_N=pow2(N), BLOCK_W=triton.next_power_of_2(W))
     if method == "recurrent":
-        return dict(common, BLOCK_P=min(triton.next_power_of_2(P), 16), num_warps=4)
+        return dict(common, BLOCK_P=min(triton.next_power_of_2(P), 16), Q=1, num_warps=4)
     return dict(common, BLOCK_P=16, Q=CHUNK, num_warps=8, num_stages=2)
 
 
 def mamba_scan_plan(xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, n_groups: int, head_dim: int,
                     dt_limit=(0.0, float("inf")), method: str = "auto", *, cuda: bool, n_sm: int):
-    """The launch of mamba_scan on a device of n_sm SMs (CUDA or the interpreter), and the outputs it fills."""
     _check(method in ("auto", "recurrent", "chunked"), f"unknown method {method!r}")
     d = _check.args(_ARGS, xBC=xBC, dt=dt, conv_weight=conv_weight, conv_bias=conv_bias, dt_bias=dt_bias,
                     A_log=A_log, D=D)
@@ -211,8 +196,7 @@ def mamba_scan_plan(xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, n_groups
     meta = scan_meta(method, P, N, W)
     args = (xBC, dt, conv_weight, conv_bias if conv_bias is not None else conv_weight, dt_bias, A_log, D,
             y, state, window, T, float(dt_limit[0]), float(dt_limit[1]), xBC.stride(0), dt.stride(0))
-    kernel = _mamba_scan_recurrent_kernel if method == "recurrent" else _mamba_scan_chunked_kernel
-    return [Launch(kernel, (H, triton.cdiv(P, meta["BLOCK_P"])), args,
+    return [Launch(_mamba_scan_kernel, (H, triton.cdiv(P, meta["BLOCK_P"])), args,
                    dict(H=H, P=P, N=N, G=G, W=W, HAS_BIAS=conv_bias is not None, **meta))], (y, state, window)
 
 
@@ -220,7 +204,5 @@ def mamba_scan(xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, n_groups: int
                dt_limit=(0.0, float("inf")), method: str = "auto"):
     """Triton version of mamba_scan_ref, plus `method`: "recurrent", "chunked" (SSD, chunks of CHUNK
     tokens) or "auto" (chunked on CUDA when T >= 2*CHUNK). xBC and dt may be row-strided views."""
-    launches, out = mamba_scan_plan(xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, n_groups, head_dim, dt_limit,
-                                    method, cuda=xBC.is_cuda, n_sm=sm_count(xBC.device))
-    run(launches)
-    return out
+    return launch(mamba_scan_plan, xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, n_groups, head_dim, dt_limit,
+                  method)

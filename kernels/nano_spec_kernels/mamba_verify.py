@@ -23,9 +23,8 @@ The Triton version is two launches:
 """
 import torch
 
-from nano_spec_kernels.common import (FLOAT, INT, ROW, Arg, Checker, Launch, conv_silu_ref, load_conv_weights,
-                                      load_head_params, mamba_channels, mamba_dt, mamba_dt_ref, run, sm_count,
-                                      split_xbc, tl, triton)
+from nano_spec_kernels.common import (FLOAT, INT, ROW, Arg, Checker, Launch, conv_silu_ref, launch, load_conv_weights,
+                                      load_head_params, mamba_channels, mamba_dt, mamba_dt_ref, split_xbc, tl, triton)
 
 _check = Checker("mamba_verify")
 _ARGS = {
@@ -164,20 +163,8 @@ def _conv_window_kernel(p_conv_stash, p_conv_state, p_slot, K, C,
     tl.store(p_conv_state + i_s * C * Wm1 + o_c[:, None] * Wm1 + o_w[None, :], b_w, mask=m)
 
 
-def verify_meta(P: int, N: int, W: int, K: int) -> dict:
-    """_mamba_verify_kernel's meta-parameters (scripts/compile_check.py compiles these)."""
-    return dict(BLOCK_P=min(triton.next_power_of_2(P), 16), BLOCK_N=triton.next_power_of_2(N),
-                BLOCK_W=triton.next_power_of_2(W), BLOCK_L=triton.next_power_of_2(W - 1 + K), num_warps=4)
-
-
-def window_meta(W: int) -> dict:
-    """_conv_window_kernel's meta-parameters."""
-    return dict(BLOCK_C=256, BLOCK_W=triton.next_power_of_2(W - 1), num_warps=4)
-
-
 def mamba_verify_plan(xBC, dt, conv_state, ssm_state, slot_ids, conv_weight, conv_bias, dt_bias, A_log, D,
                       ssm_stash, conv_stash, n_groups: int, dt_limit=(0.0, float("inf")), *, cuda: bool, n_sm: int):
-    """The launches of mamba_verify on a device of n_sm SMs (CUDA or the interpreter), and the output they fill."""
     d = _check.args(_ARGS, xBC=xBC, dt=dt, conv_weight=conv_weight, conv_bias=conv_bias, dt_bias=dt_bias, A_log=A_log,
                     D=D, ssm_state=ssm_state, ssm_stash=ssm_stash, conv_state=conv_state, conv_stash=conv_stash,
                     slot_ids=slot_ids)
@@ -188,8 +175,9 @@ def mamba_verify_plan(xBC, dt, conv_state, ssm_state, slot_ids, conv_weight, con
     y = torch.empty(Bsz, K, H, P, device=xBC.device, dtype=xBC.dtype)
     if Bsz == 0 or K == 0:
         return [], y
-    meta = verify_meta(P, N, W, K)
-    window = window_meta(W)
+    meta = dict(BLOCK_P=min(triton.next_power_of_2(P), 16), BLOCK_N=triton.next_power_of_2(N),
+                BLOCK_W=triton.next_power_of_2(W), BLOCK_L=triton.next_power_of_2(W - 1 + K), num_warps=4)
+    window = dict(BLOCK_C=256, BLOCK_W=triton.next_power_of_2(W - 1), num_warps=4)
     return [
         Launch(_mamba_verify_kernel, (Bsz, H, triton.cdiv(P, meta["BLOCK_P"])), (
             xBC, dt, conv_state, ssm_state, slot_ids, conv_weight, conv_bias if conv_bias is not None else conv_weight,
@@ -206,11 +194,8 @@ def mamba_verify(xBC, dt, conv_state, ssm_state, slot_ids, conv_weight, conv_bia
                  ssm_stash, conv_stash, n_groups: int, dt_limit=(0.0, float("inf"))):
     """Triton version of mamba_verify_ref (same arguments and writes). xBC and dt may be strided
     views with a unit last-dim stride; slot_ids must be distinct (not checked: no host sync)."""
-    launches, y = mamba_verify_plan(xBC, dt, conv_state, ssm_state, slot_ids, conv_weight, conv_bias, dt_bias, A_log, D,
-                                    ssm_stash, conv_stash, n_groups, dt_limit,
-                                    cuda=xBC.is_cuda, n_sm=sm_count(xBC.device))
-    run(launches)
-    return y
+    return launch(mamba_verify_plan, xBC, dt, conv_state, ssm_state, slot_ids, conv_weight, conv_bias, dt_bias,
+                  A_log, D, ssm_stash, conv_stash, n_groups, dt_limit)
 
 
 def mamba_verify_bytes(B: int, K: int, H: int, P: int, N: int, G: int, W: int, act: int, param: int | None = None,

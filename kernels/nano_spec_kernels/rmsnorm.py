@@ -8,7 +8,7 @@ pass over the row does both. The Triton version runs one program per row, roundi
 """
 import torch
 
-from nano_spec_kernels.common import FLOAT, ROW, Arg, Checker, Launch, rms_normalize, run, sm_count, tl, triton
+from nano_spec_kernels.common import FLOAT, ROW, Arg, Checker, Launch, launch, rms_normalize, tl, triton
 
 _check = Checker("rmsnorm")
 _ARGS = {"x": Arg("... D", FLOAT, ROW), "residual": Arg("... D", "x", ROW), "weight": Arg("D")}
@@ -42,14 +42,7 @@ def _rmsnorm_kernel(p_x, p_res, p_w, p_y, p_h, D, eps, multiplier, stride_x, str
     tl.store(p_y + i_m * D + o_d, (b_w * b_n).to(p_y.dtype.element_ty), mask=m_d)
 
 
-def rmsnorm_meta(D: int) -> dict:
-    """_rmsnorm_kernel's meta-parameters (scripts/compile_check.py compiles these): the row in one block."""
-    BLOCK_D = triton.next_power_of_2(D)
-    return dict(BLOCK_D=BLOCK_D, num_warps=min(16, max(1, BLOCK_D // 256)))
-
-
 def rmsnorm_plan(x, weight, eps: float, residual=None, multiplier: float = 1.0, *, cuda: bool, n_sm: int):
-    """The launch of rmsnorm on a device of n_sm SMs (CUDA or the interpreter), and the outputs it fills."""
     D = _check.args(_ARGS, x=x, residual=residual, weight=weight).D
     x2 = x.reshape(-1, D)
     y = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
@@ -57,17 +50,16 @@ def rmsnorm_plan(x, weight, eps: float, residual=None, multiplier: float = 1.0, 
     if x2.shape[0] == 0 or D == 0:
         return [], (y, h)
     r2 = x2 if residual is None else residual.reshape(-1, D)
+    BLOCK_D = triton.next_power_of_2(D)  # the row in one block
+    meta = dict(HAS_RES=residual is not None, BLOCK_D=BLOCK_D, num_warps=min(16, max(1, BLOCK_D // 256)))
     return [Launch(_rmsnorm_kernel, (x2.shape[0],),
-                   (x2, r2, weight, y, h, D, float(eps), float(multiplier), x2.stride(0), r2.stride(0)),
-                   dict(HAS_RES=residual is not None, **rmsnorm_meta(D)))], (y, h)
+                   (x2, r2, weight, y, h, D, float(eps), float(multiplier), x2.stride(0), r2.stride(0)), meta)], (y, h)
 
 
 def rmsnorm(x, weight, eps: float, residual=None, multiplier: float = 1.0):
     """Triton version of rmsnorm_ref. x and residual need a unit last-dim stride (other dims are
     flattened, copied if need be); y and a residual's h are new contiguous tensors."""
-    launches, out = rmsnorm_plan(x, weight, eps, residual, multiplier, cuda=x.is_cuda, n_sm=sm_count(x.device))
-    run(launches)
-    return out
+    return launch(rmsnorm_plan, x, weight, eps, residual, multiplier)
 
 
 def rmsnorm_bytes(rows: int, D: int, act: int, residual: bool, param: int | None = None) -> dict:

@@ -13,8 +13,7 @@ programs for the device when V is 100k+; the split count depends on shapes only.
 """
 import torch
 
-from nano_spec_kernels.common import (FLOAT, INT, ROW, STRIDED, Arg, Checker, Launch, run, sm_count, split_plan, tl,
-                                      triton)
+from nano_spec_kernels.common import FLOAT, INT, ROW, STRIDED, Arg, Checker, Launch, launch, split_plan, tl, triton
 
 _check = Checker("verdict_greedy")
 _ARGS = {"logits": Arg("B K V", FLOAT, ROW), "drafts": Arg("B K-1", INT, STRIDED), "nd": Arg("B", INT)}
@@ -89,19 +88,13 @@ def _verdict_kernel(
     tl.store(p_na + i_b, b_na.to(tl.int64))
 
 
-def row_stats_meta(V: int, cuda: bool) -> dict:
-    """_row_stats_kernel's meta-parameters (scripts/compile_check.py compiles these)."""
-    return dict(BLOCK_V=min(2048 if cuda else 1024, triton.next_power_of_2(V)), num_warps=4)
-
-
-def verdict_meta(splits: int) -> dict:
-    """_verdict_kernel's meta-parameters."""
-    return dict(SPLITS_PAD=triton.next_power_of_2(splits), num_warps=4)
+def row_stats_meta(V: int, cuda: bool, block_v: int | None = None) -> dict:
+    """_row_stats_kernel's meta-parameters (scripts/compile_check.py compiles these); block_v overrides the tile."""
+    return dict(BLOCK_V=block_v or min(2048 if cuda else 1024, triton.next_power_of_2(V)), num_warps=4)
 
 
 def verdict_greedy_plan(logits, drafts, nd, bitmask=None, block_v=None, num_splits=None, *, cuda: bool, n_sm: int):
-    """The launches of verdict_greedy on a device of n_sm SMs (CUDA or the interpreter), and the outputs they fill;
-    block_v and num_splits override the tile and split sizes (tests force several of each)."""
+    """block_v and num_splits override the tile and split sizes (tests force several of each)."""
     dims = _check.args(_ARGS, logits=logits, drafts=drafts, nd=nd)
     Bsz, K, V, dev = dims.B, dims.K, dims.V, dims.device
     _check(K >= 1 and V >= 1, f"logits needs K >= 1 and V >= 1, got {tuple(logits.shape)}")
@@ -112,8 +105,7 @@ def verdict_greedy_plan(logits, drafts, nd, bitmask=None, block_v=None, num_spli
     if Bsz == 0:
         return [], (picks, na)
 
-    meta = row_stats_meta(V, cuda)
-    meta["BLOCK_V"] = block_v or meta["BLOCK_V"]
+    meta = row_stats_meta(V, cuda, block_v)
     chunk, splits = split_plan(V, meta["BLOCK_V"], Bsz * K, n_sm, num_splits)
     pm = torch.empty((Bsz * K, splits), dtype=torch.float32, device=dev)  # partial maxima
     pa = torch.empty((Bsz * K, splits), dtype=torch.int32, device=dev)  # their first indices
@@ -124,22 +116,14 @@ def verdict_greedy_plan(logits, drafts, nd, bitmask=None, block_v=None, num_spli
                (logits, m, pm, pa, V, chunk, *logits.stride()[:2], *m.stride()[:2]),
                dict(K=K, SPLITS=splits, HAS_MASK=bitmask is not None, **meta)),
         Launch(_verdict_kernel, (Bsz,), (pm, pa, d, nd, picks, na, V, *d.stride()),
-               dict(K=K, SPLITS=splits, **verdict_meta(splits))),
+               dict(K=K, SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), num_warps=4)),
     ], (picks, na)
-
-
-def _verdict_greedy(logits, drafts, nd, bitmask=None, block_v=None, num_splits=None):
-    """verdict_greedy with the tile and split sizes exposed (tests force several of each)."""
-    launches, out = verdict_greedy_plan(logits, drafts, nd, bitmask, block_v, num_splits,
-                                        cuda=logits.is_cuda, n_sm=sm_count(logits.device))
-    run(launches)
-    return out
 
 
 def verdict_greedy(logits, drafts, nd, bitmask=None):
     """Triton version of verdict_greedy_ref (same signature and outputs). NaN logits are not
     handled (torch.argmax would pick them)."""
-    return _verdict_greedy(logits, drafts, nd, bitmask)
+    return launch(verdict_greedy_plan, logits, drafts, nd, bitmask)
 
 
 def verdict_greedy_bytes(B: int, K: int, V: int, act: int, splits: int, mask: bool = False) -> dict:

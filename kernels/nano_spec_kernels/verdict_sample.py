@@ -27,7 +27,7 @@ consistent and a draw never runs past the last token with mass except where the 
 """
 import torch
 
-from nano_spec_kernels.common import FLOAT, INT, ROW, STRIDED, Arg, Checker, Launch, one_of, run, sm_count, tl, triton
+from nano_spec_kernels.common import FLOAT, INT, ROW, STRIDED, Arg, Checker, Launch, launch, one_of, tl, triton
 
 _check = Checker("verdict_sample")
 _ARGS = {  # logits and uniforms go through torch, drafts by strides; the kernel reads nd[b] at b
@@ -167,8 +167,7 @@ def sample_meta(V: int, Bsz: int, cuda: bool, block_v: int | None = None) -> dic
 
 def verdict_sample_plan(logits, draft_probs, drafts, nd, uniforms, temperature, top_k, top_p, block_v=None, *,
                         cuda: bool, n_sm: int):
-    """The launch of verdict_sample on a device of n_sm SMs (CUDA or the interpreter), after the torch part (the
-    filtered target probabilities), and the outputs it fills; block_v overrides the V tile (tests force several)."""
+    """The launch after the torch part (the filtered target probabilities); block_v overrides the V tile."""
     dims = _check.args(_ARGS, logits=logits, draft_probs=draft_probs, drafts=drafts, nd=nd,
                        uniforms=uniforms, temperature=temperature, top_k=top_k, top_p=top_p)
     Bsz, K, V, dev = dims.B, dims.K, dims.V, dims.device
@@ -186,14 +185,6 @@ def verdict_sample_plan(logits, draft_probs, drafts, nd, uniforms, temperature, 
     ), dict(K=K, **meta))], (na, token)
 
 
-def _verdict_sample(logits, draft_probs, drafts, nd, uniforms, temperature, top_k, top_p, block_v=None):
-    """verdict_sample with the V tile exposed (tests force several tiles)."""
-    launches, out = verdict_sample_plan(logits, draft_probs, drafts, nd, uniforms, temperature, top_k, top_p, block_v,
-                                        cuda=logits.is_cuda, n_sm=sm_count(logits.device))
-    run(launches)
-    return out
-
-
 def verdict_sample_bytes(B: int, K: int, V: int, act: int) -> dict:
     """The bytes one call moves, by tensor, at the least: the torch part reads the logits (act bytes an element)
     and the sampling settings and writes the filtered probabilities p (B, K, V) fp32 (its sort and scans move
@@ -208,4 +199,4 @@ def verdict_sample_bytes(B: int, K: int, V: int, act: int) -> dict:
 def verdict_sample(logits, draft_probs, drafts, nd, uniforms, temperature, top_k, top_p):
     """Triton version of verdict_sample_ref (same signature; (na, token) equal for the same uniforms,
     up to the cumsum rounding discussed in the module docstring)."""
-    return _verdict_sample(logits, draft_probs, drafts, nd, uniforms, temperature, top_k, top_p)
+    return launch(verdict_sample_plan, logits, draft_probs, drafts, nd, uniforms, temperature, top_k, top_p)

@@ -1,27 +1,15 @@
-"""What a drafter is: its interface, what it returns, and the picking that drafters share
-(docs/DESIGN.md §4).
+"""What a drafter is: its interface, what it returns, and the picking that drafters share (docs/DESIGN.md §4).
+The built-ins are none (plain decoding, γ = 0), ngram.py, mtp.py and dflash.py, each a drafter as it is.
 
-A drafter is what `Drafter` below lists; the built-ins (none, ngram, mtp, dflash) are drafters as they are.
-It keeps its own state, indexed by `seq.slot` (the MTP head keeps its KV rows and the
-row that draft 1 grows from), and never writes the engine's. `uniforms` (B, γ) is its
-random draw, None when every row is greedy. γ <= γ_max is fixed or chosen per step
-(nano_spec/engine/planner.py); draft is not called at γ = 0, but catch_up is. A sequence with a grammar
-carries its `constraint` (nano_spec/text/grammar.py): drafts the grammar refuses are only ever
-rejected, and a sampled draft's q must be the masked distribution it was drawn from
-(DESIGN §11). `LLM(proposer=...)` takes a name or an object with max_drafts, admit, draft and catch_up (taps
-optional): such an object is wrapped once, at that boundary, in `Checked`, which checks its drafts every step
-(the built-ins' ids come from the model's logits or the sequence's own tokens, so they need no check).
-
-`none`  plain decoding (γ = 0).
-`ngram` prompt lookup: the continuation of the latest earlier occurrence of the
-        last n tokens (n = max_n .. 1); works with any checkpoint.
-`mtp`   the checkpoint's MTP head (DESIGN §2): catch-up over the verified rows; the
-        output at the last accepted row gives draft 1, γ-1 recursive steps the rest.
-`dflash` a block drafter (nano_spec/model/dflash.py, DESIGN §13): one forward over [last token, MASK...]
-        reading the target's tapped layers drafts a whole block; the verify takes γ of it.
-        Its `taps`, a list of layer indices, make the runner stash those layers' rows for
-        admit and catch_up (admit(..., tapped=(T, nT*D)), VerifiedRows.tapped).
+A drafter keeps its own state, indexed by `seq.slot`, and never writes the engine's. `uniforms` (B, γ) is its
+random draw, None when every row is greedy. γ <= γ_max is fixed or chosen per step (nano_spec/engine/planner.py);
+draft is not called at γ = 0, but catch_up is. A sequence with a grammar carries its `constraint`
+(nano_spec/text/grammar.py): drafts the grammar refuses are only ever rejected, and a sampled draft's q must be the
+masked distribution it was drawn from (DESIGN §11). `LLM(proposer=...)` takes a name or an object with max_drafts,
+admit, draft and catch_up (taps optional), wrapped once, at that boundary, in `Checked` (the built-ins' ids come
+from the model's logits or the sequence's own tokens, so they need no check).
 """
+from contextlib import closing
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -58,21 +46,17 @@ class VerifiedRows:
 
 
 def pick_in_order(seqs, slots, per_slot: BatchSampling, gamma: int, uniforms, logits_of) -> Drafts:
-    """γ drafts picked one position at a time: draft i from logits_of(i, draft i-1) (B, V), drawn with
-    uniforms[:, i] on sampled rows; a constrained row picks under its grammar's mask after the drafts before it
-    (DESIGN §11). per_slot holds each slot's sampling settings."""
+    """γ drafts picked one position at a time: draft i from logits_of(i, draft i-1) (B, V), drawn with uniforms[:, i]
+    on sampled rows; a constrained row picks under its grammar's mask after the drafts before it (DESIGN §11)."""
     sampling = per_slot.select(slots, all(s.params.greedy for s in seqs))
-    masks = DraftMasks([s.constraint for s in seqs], gamma, slots.device)
     tokens, probs, tok = [], [], None
-    try:
+    with closing(DraftMasks([s.constraint for s in seqs], [gamma] * len(seqs), slots.device)) as masks:
         for i in range(gamma):
             tok, q = sampling.pick(logits_of(i, tok), None if uniforms is None else uniforms[:, i], masks.mask())
             tokens.append(tok)
             probs.append(q)
             if i + 1 < gamma:
                 masks.push(tok, i)
-    finally:
-        masks.close()
     nd = torch.tensor(masks.num, device=slots.device) if masks.on else torch.full_like(slots, gamma)
     return Drafts(torch.stack(tokens, dim=1), nd, None if sampling.all_greedy else torch.stack(probs, dim=1))
 

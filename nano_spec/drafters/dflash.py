@@ -9,8 +9,8 @@ from nano_spec.model.dflash import DFlashConfig, DFlashModel
 
 
 class DFlashDrafter:
-    """Drafts with a DFlashModel. Its state per slot: the context K/V of every drafter layer at the
-    committed positions, the last emitted token (the block's row 0) and the context length."""
+    """Its state per slot: each drafter layer's context K/V at the committed positions, the block's row 0 (the last
+    emitted token) and the context length."""
 
     def __init__(self, net: DFlashModel, target, max_drafts: int, num_slots: int, max_len: int):
         cfg, p = net.cfg, next(target.parameters())  # max_drafts <= Bk - 1: checked in settings
@@ -28,7 +28,6 @@ class DFlashDrafter:
 
     @staticmethod
     def state_bytes(cfg: DFlashConfig, num_slots: int, max_len: int, dtype) -> int:
-        """Bytes of the context K/V, before anything is allocated."""
         return 2 * cfg.num_hidden_layers * num_slots * max_len * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
 
     def _store(self, slots, tapped, positions):
@@ -55,14 +54,10 @@ class DFlashDrafter:
         self.ctx_len[rows.slots] = rows.seq_lens + na + 1
 
     def draft(self, seqs, gamma, uniforms):
-        """One block forward; rows 1 .. γ are the drafts (the rest of the block is dropped). A constrained row
-        picks draft j under its grammar's mask after drafts[:j], from the same forward's logits."""
-        slots = self.slot_ids(seqs)
-        kv_len = max(s.seq_len for s in seqs)  # context rows read: the longest context
-        if self.compiled is None:
-            logits = self._block(slots, gamma, kv_len)
-        else:
-            logits = self.compiled(slots, gamma, kv_len=kv_len)[0]
+        """One block forward; rows 1 .. γ are the drafts, picked in order from its logits (the rest is dropped)."""
+        slots, kv_len = self.slot_ids(seqs), max(s.seq_len for s in seqs)  # context rows read: the longest context
+        logits = self._block(slots, gamma, kv_len) if self.compiled is None else \
+            self.compiled(slots, gamma, kv_len=kv_len)[0]
         return pick_in_order(seqs, slots, self.sampling, gamma, uniforms, lambda i, prev: logits[:, i])
 
     def _block(self, slots, gamma: int, kv_len: int):

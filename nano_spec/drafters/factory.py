@@ -15,6 +15,6 @@ def make_drafter(c, model):
     if c.drafter == "mtp":
         return MTPDrafter(model, c.max_drafts, num_slots, max_len)
     if c.drafter == "dflash":
-        block = load_drafter(c.drafter_dir, c.cfg, model.ops, c.device, c.dtype)
+        block = load_drafter(c.drafter_dir, c.dflash, model.ops, c.device, c.dtype)
         return DFlashDrafter(block, model, c.max_drafts, num_slots, max_len)
     return NgramDrafter(c.max_drafts, c.device) if c.drafter == "ngram" else NoDrafter()

@@ -8,8 +8,7 @@ from nano_spec.model.cache import SlotIds
 
 
 class MTPDrafter:
-    """The checkpoint's MTP head. Its state per slot: the KV rows of its attention layer, and `head_out`, its output
-    at the last accepted position, which draft 1 is read from (DESIGN §4)."""
+    """Its state per slot: the KV rows of its attention layer, and `head_out`, its output at the last accepted row."""
     taps = ()
 
     def __init__(self, model, max_drafts: int, num_slots: int, max_len: int):
@@ -25,7 +24,6 @@ class MTPDrafter:
 
     @staticmethod
     def state_bytes(cfg, num_slots: int, max_len: int, dtype) -> int:
-        """Bytes of the KV rows, before anything is allocated."""
         return 2 * num_slots * max_len * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
 
     def admit(self, seq, hidden, first, tapped=None):
@@ -45,11 +43,8 @@ class MTPDrafter:
         self.pos[rows.slots] = rows.seq_lens + na + 1
 
     def draft(self, seqs, gamma, uniforms) -> Drafts:
-        """Draft 1 from head_out; step i > 1 feeds draft i-1 and the previous MTP output at position pos + i - 2.
-        A constrained row picks draft i under its grammar's mask after drafts 1..i-1."""
+        """Draft 1 from head_out; step i > 1 feeds draft i-1 and the previous MTP output, at position pos + i - 2."""
         slots = self.slot_ids(seqs)
-        if not gamma:
-            return Drafts(slots.new_zeros(len(seqs), 0), slots.new_zeros(len(seqs)), None)
         o, pos, kv_len = self.head_out[slots], self.pos[slots], max(s.seq_len for s in seqs) + gamma
 
         def logits(i, prev):  # draft i > 0 grows from the MTP output after draft i - 1

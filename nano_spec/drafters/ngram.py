@@ -36,8 +36,6 @@ class NgramDrafter:
             for n in range(1, min(self.max_n, end) + 1):
                 table[tuple(tokens[end - n : end])] = end
         self.index[seq.slot] = (max(done, L), table)
-        if not gamma:
-            return []
         for n in range(min(self.max_n, L - 1), 0, -1):
             start = table.get(tuple(tokens[L - n :]))
             if start is not None:

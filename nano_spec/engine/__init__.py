@@ -1,2 +1,1 @@
-"""The engine: the LLM API, the scheduler loop, the model runner and what they decide with (sampling, γ, threads,
-memory, the compiled step)."""
+"""The engine: the LLM API, the scheduler loop, the model runner and what they decide with (γ, threads, memory)."""

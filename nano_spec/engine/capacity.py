@@ -1,10 +1,4 @@
-"""Capacity: how much the engine may allocate, decided before any allocation.
-
-    weight_bytes        bytes of the weights, counted without allocating them
-    memory_parts        bytes of the weights, every cache and stash, and the drafter's state (MTP or DFlash)
-    default_max_seq_len the largest max_seq_len that fits (bisection: only the KV rows grow with it)
-    fit                 max_seq_len resolved, and settings whose parts do not fit the budget refused
-"""
+"""Capacity: the bytes the engine's settings need, and max_seq_len, decided before any allocation."""
 from dataclasses import replace
 
 import torch
@@ -27,9 +21,8 @@ def weight_bytes(cfg: ModelConfig, dtype, drafter: DFlashConfig | None = None) -
 
 
 def memory_parts(c, max_seq_len: int, weights: int) -> dict:
-    """Bytes of the weights, of every cache and stash, and of the drafter's state (the MTP head's KV rows, or
-    the DFlash drafter's context K/V and the verify's tapped rows) for the settings c (an EngineConfig) at
-    max_seq_len. Nothing is allocated."""
+    """Bytes of the weights, every cache and stash, and the drafter's state (the MTP head's KV rows, or the DFlash
+    drafter's context K/V and the verify's tapped rows) for the settings c (an EngineConfig) at max_seq_len."""
     rows = cache_len(max_seq_len, c.max_drafts)
     taps = c.dflash.target_layer_ids if c.dflash else ()
     caches = cache_bytes(c.cfg, c.max_batch, rows, c.max_drafts + 1, c.dtype, taps)
@@ -55,10 +48,8 @@ def fit(c) -> tuple:
 
 
 def default_max_seq_len(c, weights: int) -> int:
-    """The largest max_seq_len, at most max_position_embeddings, whose weights and caches fit.
-
-    Only the KV caches grow with it, so the need is monotonic and a bisection finds it. When not
-    even 2 fits it returns 2, which fit refuses with the numbers (max_batch is too big)."""
+    """The largest max_seq_len, at most max_position_embeddings, whose weights and caches fit. Only the KV rows
+    grow with it, so a bisection finds it. When not even 2 fits it returns 2, which fit refuses with the numbers."""
     lo, hi = 2, max(2, c.cfg.max_position_embeddings)
     while lo < hi:  # lo is 2 or fits, everything above hi does not fit
         mid = (lo + hi + 1) // 2
@@ -68,7 +59,5 @@ def default_max_seq_len(c, weights: int) -> int:
 
 
 def _size(n: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n} B"
+    units = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
+    return next((f"{n / scale:.2f} {unit}" for unit, scale in units if n >= scale), f"{n} B")

@@ -1,9 +1,9 @@
-"""The Python API: LLM(...).generate(prompts, params), LLM(...).stream(prompt, params), and their chat forms
-LLM(...).chat(messages, params) and LLM(...).chat_stream(messages, params)."""
+"""The Python API: LLM (generate, stream and their chat forms, from any thread) and Output, one request's."""
 import threading
 import time
 import weakref
 from collections import deque
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -174,7 +174,7 @@ class LLM:
                       finish_reason=seq.finish_reason, tau=seq.tau, origins=list(seq.origins),
                       logprobs=None if lps is None else [lp for lp, _ in lps],
                       top_logprobs=None if lps is None else [top for _, top in lps],
-                      error=seq.error if seq.finish_reason == "error" else None)
+                      error=seq.error)
 
     def generate(self, prompts, params=None, on_finish=None) -> list:
         """Complete each prompt (a string, a list of token ids, or a list of either); params may be one
@@ -246,11 +246,10 @@ class LLM:
                     "grammar_compile_seconds": self.grammars.compile_seconds,
                     "grammars_compiled": self.grammars.num_compiled, "compile_seconds": self.runner.compile_seconds(),
                     "threads": dict(sorted(self.threads.steps.items())), "max_seq_len": self.max_seq_len,
-                    "memory_bytes": self.cache_bytes,
-                    "memory_budget": self.memory_budget}
+                    "memory_bytes": self.cache_bytes, "memory_budget": self.memory_budget}
 
 
-class Stream:
+class Stream(Iterator):
     """The text pieces of one request (LLM.stream). Reading it steps every running request (they share
     the batch), so other streams advance too; generate() calls meanwhile run only their own requests,
     unless other threads are reading streams at the same time."""
@@ -263,9 +262,6 @@ class Stream:
     @property
     def output(self):
         return self._state["output"]
-
-    def __iter__(self):
-        return self
 
     def __next__(self) -> str:
         return next(self._pieces)

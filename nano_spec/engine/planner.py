@@ -1,19 +1,18 @@
 """Adaptive draft length (`num_drafts="auto"`): each step picks γ_eff in [0, γ_max] for the batch.
 
-Speculation pays when the tokens a step yields grow faster than its cost. Both are measured
-online (docs/DESIGN.md §4, "Draft length per step"; the metrics in §7):
+Speculation pays when the tokens a step yields grow faster than its cost. Both are measured online
+(docs/DESIGN.md §4, "Draft length per step"; the metrics in §7):
 
     a_j      conditional acceptance: P(draft j accepted | drafts 1..j-1 were), decayed counts
     E(γ)   = 1 + Σ_{i≤γ} Π_{j≤i} a_j            expected tokens of a step with γ drafts
-    t_B(γ)   seconds of a step at batch size B with γ drafts (drafting, verify, accept rule, commit,
-             catch-up): a decayed mean of the steps measured at (B, γ), shrunk
-             towards a line c0 + c1 γ fitted by decayed least squares over all γ ≥ 1 (a prior slope
-             until two γ are measured), which also covers the γ not measured yet
+    t_B(γ)   seconds of a step at batch size B with γ drafts (drafting, verify, accept rule, commit, catch-up):
+             a decayed mean of the steps measured at (B, γ), shrunk towards a line c0 + c1 γ fitted by decayed
+             least squares over all γ ≥ 1 (a prior slope until two γ are measured), which also covers the γ
+             not measured yet
     γ_eff  = argmax_γ E(γ) / t_B(γ)             predicted speedup = E(γ_eff) t_B(0) / t_B(γ_eff)
 
-Every PROBE-th step tries a neighbour of the best γ instead (and, in turn, γ = 0), so the costs
-around the choice stay measured. Output does not depend on γ: every choice is lossless.
-Plain host arithmetic; no tensors.
+Every PROBE-th step tries a neighbour of the best γ instead (and, in turn, γ = 0), so the costs around the choice
+stay measured. Output does not depend on γ: every choice is lossless. Plain host arithmetic; no tensors.
 """
 from collections import Counter
 
@@ -39,8 +38,8 @@ class DraftPlanner:
                  keep_accept: float = 0.995):
         """prior_slope: c1 / c0, the cost of a draft relative to a step, until two γ are measured
         (CPU ~0.4: extra verify rows are not free there; a GPU is closer to 0.1)."""
-        self.max_drafts, self.prior_slope, self.keep_cost = max_drafts, prior_slope, keep_cost
-        self.keep_accept = keep_accept
+        self.max_drafts, self.prior_slope = max_drafts, prior_slope
+        self.keep_cost, self.keep_accept = keep_cost, keep_accept
         self.trials = [PRIOR_WEIGHT] * max_drafts
         self.hits = [PRIOR_WEIGHT * (PRIOR_ACCEPT[0] if j == 0 else PRIOR_ACCEPT[1]) for j in range(max_drafts)]
         # costs are kept per sequence (seconds / B) by batch-size class B.bit_length(): 1, 2-3, 4-7, ...,
@@ -65,14 +64,12 @@ class DraftPlanner:
 
     def step_cost(self, B: int, gamma: int) -> float:
         """t_B(γ) in seconds (relative while nothing at B's class was measured)."""
-        B = max(B, 1)  # asked after the last sequence finished: any answer will do
         c = B.bit_length()
         plain, seen = self.plain.get(c), self.seen.get((c, gamma))
         if gamma == 0 and plain is not None:
             return B * plain.mean
-        if seen is None:
-            return B * self._line(c, gamma, plain)
-        return B * (seen.w * seen.mean + self._line(c, gamma, plain)) / (seen.w + 1)  # the line weighs one step
+        line = self._line(c, gamma, plain)
+        return B * line if seen is None else B * (seen.w * seen.mean + line) / (seen.w + 1)  # the line weighs one step
 
     def _line(self, c: int, gamma: int, plain) -> float:
         w, sg, sgg, st, sgt = self.line.get(c, (0.0,) * 5)
@@ -82,23 +79,17 @@ class DraftPlanner:
             c0 = st / w - c1 * sg / w
             if c0 > 0:
                 return c0 + c1 * gamma
-        if w:  # one γ measured: the prior slope through its mean
-            c0 = st / w / (1 + self.prior_slope * sg / w)
-        else:
-            c0 = plain.mean if plain is not None else 1.0
+        # one γ measured: the prior slope through its mean; none: through the plain step's cost (or 1, relative)
+        c0 = st / w / (1 + self.prior_slope * sg / w) if w else plain.mean if plain is not None else 1.0
         return c0 * (1 + self.prior_slope * gamma)
 
-    def speedups(self, B: int) -> list:
-        """Predicted throughput of γ = 0..γ_max relative to plain decoding, at batch size B."""
-        t0 = self.step_cost(B, 0)
+    def speedups(self, B: int, bare: bool = False) -> list:
+        """E(γ) t_B(0) / t_B(γ) for γ = 0..γ_max: predicted throughput relative to plain decoding. bare: relative to
+        plain decoding's own steps, which skip the catch-up that an "auto" step with γ = 0 still runs (the choice
+        itself compares the steps "auto" can take)."""
+        plain = self.bare.get(B.bit_length()) if bare else None
+        t0 = B * plain.mean if plain is not None else self.step_cost(B, 0)
         return [self.expected_tokens(g) * t0 / self.step_cost(B, g) for g in range(self.max_drafts + 1)]
-
-    def predicted_speedup(self, B: int, gamma: int) -> float:
-        """E(γ) t_plain / t_B(γ) against plain decoding, whose steps skip the catch-up that an "auto"
-        step with γ = 0 still runs (the choice itself compares the steps "auto" can take)."""
-        bare = self.bare.get(max(B, 1).bit_length())
-        t_plain = max(B, 1) * bare.mean if bare is not None else self.step_cost(B, 0)
-        return self.expected_tokens(gamma) * t_plain / self.step_cost(B, gamma)
 
     # ---- the loop's calls ----------------------------------------------------------------
     def choose(self, B: int) -> int:
@@ -120,8 +111,7 @@ class DraftPlanner:
         per_seq = seconds / B
         if gamma == 0:
             self.plain.setdefault(c, Decayed(self.keep_cost)).add(per_seq)
-            bare = max(seconds - drafter_seconds, MIN_SECONDS)
-            self.bare.setdefault(c, Decayed(self.keep_cost)).add(bare / B)
+            self.bare.setdefault(c, Decayed(self.keep_cost)).add(max(seconds - drafter_seconds, MIN_SECONDS) / B)
         else:
             self.seen.setdefault((c, gamma), Decayed(self.keep_cost)).add(per_seq)
             k = self.keep_cost
@@ -129,7 +119,7 @@ class DraftPlanner:
                                                       (1.0, gamma, gamma * gamma, per_seq, gamma * per_seq))]
         self.hist[gamma] += 1
         self.pred_time += seconds
-        self.pred_weighted += self.predicted_speedup(B, gamma) * seconds
+        self.pred_weighted += self.speedups(B, bare=True)[gamma] * seconds
         k = self.keep_accept
         self.trials = [k * t for t in self.trials]
         self.hits = [k * h for h in self.hits]

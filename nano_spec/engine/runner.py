@@ -1,12 +1,10 @@
 """The model runner: every tensor of the engine lives here or in the drafter, none in the scheduler.
 
-The scheduler hands it host-side sequences (slot, tokens, params) and gets back host
-values: one RowResult per sequence. It keeps the target's caches and, per slot, the
-sequence length, the last emitted token, the sampling settings and the request's
-random generator; the drafter keeps its own state.
+The scheduler hands it host-side sequences (slot, tokens, params) and gets back host values: one RowResult per
+sequence. It keeps the target's caches and, per slot, the sequence length, the last emitted token, the sampling
+settings and the request's random generator; the drafter keeps its own state.
 
-One step, in the order of nano_spec/reference.py (docs/DESIGN.md §4), with γ drafts per
-sequence and K = γ + 1 rows:
+One step, in the order of nano_spec/reference.py (docs/DESIGN.md §4), with γ drafts per sequence and K = γ + 1 rows:
     1. the drafter drafts             drafts (B, γ), nd (B,)
     2. one batched verify            rows [last token | drafts] -> logits (B, K, V), stashes written
     3. grammar masks                 the constrained rows' masks after each draft prefix
@@ -87,21 +85,19 @@ class ModelRunner:
         if self.max_drafts:
             with self.tel.phase("catch_up"):
                 self.drafter.admit(seq, hidden, first, tapped)
-        none, refused = self._no_drafts(1)
-        return self._results(logits[:, None], first[:, None], none.nd, none, refused, [seq])[0]
+        none = self._no_drafts(1)
+        return self._results(logits[:, None], first[:, None], none.nd, none, [seq])[0]
 
     @torch.no_grad()
     def step(self, seqs, gamma: int) -> list:
-        """One speculative step of every sequence in seqs, with γ drafts each -> a RowResult per sequence."""
         B, K, phase = len(seqs), gamma + 1, self.tel.phase
         slots = self.slot_ids(seqs)
         sampling = self.sampling.select(slots, all(s.params.greedy for s in seqs))
-        drafts, refused = self._no_drafts(B)
+        drafts = self._no_drafts(B)
         if gamma:
             with phase("propose"):
                 u = self._uniforms(seqs, gamma, sampling)  # draw "drafts"
                 drafts = self.drafter.draft(seqs, gamma, u)
-                refused = refused if drafts.refused is None else drafts.refused
         with phase("verify"):
             seq_lens = self.seq_lens[slots]
             rows = torch.cat([self.last[slots, None], drafts.tokens], dim=1) if gamma else self.last[slots, None]
@@ -116,8 +112,9 @@ class ModelRunner:
                 bitmask = verify_bitmask([s.constraint for s in seqs], drafts.tokens, drafts.nd)  # (B, K, W)
         with phase("verdict"):
             u = self._uniforms(seqs, K, sampling)  # draw "verdict"
-            na, emitted = self.accept_rule(self.model.ops, logits, drafts.tokens, drafts.nd, sampling,
-                                           self._q(drafts, sampling), u, bitmask)
+            q = drafts.probs if sampling.all_greedy or drafts.probs is not None else \
+                F.one_hot(drafts.tokens, self.cfg.vocab_size).to(torch.float32)  # (B, γ, V); one-hot: deterministic
+            na, emitted = self.accept_rule(self.model.ops, logits, drafts.tokens, drafts.nd, sampling, q, u, bitmask)
             self.seq_lens[slots] = seq_lens + na + 1
             self.last[slots] = emitted.gather(1, na[:, None])[:, 0]
         if gamma:  # a full accept leaves the live state right; with γ = 0 every row is one
@@ -131,7 +128,7 @@ class ModelRunner:
                                         self.cache.tap_stash(B, K) if self.taps else None)
                 self.drafter.catch_up(seqs, verified, na)
         with phase("copy"):
-            return self._results(logits, emitted, na, drafts, refused, seqs)
+            return self._results(logits, emitted, na, drafts, seqs)
 
     def compiled_calls(self) -> list:
         """This engine's compiled calls (none when eager), each Timed."""
@@ -144,10 +141,9 @@ class ModelRunner:
         return sum(p.seconds for p in self.compiled_calls())
 
     # ---- helpers -------------------------------------------------------------------
-    def _no_drafts(self, B: int) -> tuple:
-        """(no drafts for B rows, none refused): what a γ = 0 step and an admission verify."""
-        nd = self.no_drafts.nd[:B]  # (B,) zeros
-        return Drafts(self.no_drafts.tokens[:B], nd, None), nd
+    def _no_drafts(self, B: int) -> Drafts:
+        """No drafts for B rows: what a γ = 0 step and an admission verify."""
+        return Drafts(self.no_drafts.tokens[:B], self.no_drafts.nd[:B], None)
 
     def _uniforms(self, seqs, n: int, sampling: BatchSampling, column: int | None = None):
         """(B, n) uniforms, each row from its sequence's own generator (reproducible per request); None when
@@ -157,18 +153,13 @@ class ModelRunner:
         u = torch.stack([torch.rand(n, generator=self.generators[s.slot], device=self.device) for s in seqs])
         return u if column is None else u[:, column]
 
-    def _q(self, drafts: Drafts, sampling: BatchSampling):
-        """(B, γ, V) the distribution each draft was drawn from (one-hot for a deterministic drafter)."""
-        if sampling.all_greedy or drafts.probs is not None:
-            return drafts.probs
-        return F.one_hot(drafts.tokens, self.cfg.vocab_size).to(torch.float32)
-
-    def _results(self, logits, emitted, na, drafts: Drafts, refused, seqs) -> list:
+    def _results(self, logits, emitted, na, drafts: Drafts, seqs) -> list:
         """The step's one device-to-host copy: na, nd, finiteness, refusals, emitted tokens, drafts (and the
         logprobs, if asked)."""
         # only rows 0..na are used (padding rows and rows past a rejection are not): only they must be finite
         unused = torch.arange(logits.shape[1], device=logits.device) > na[:, None]  # (B, K)
         finite = (torch.isfinite(logits).all(-1) | unused).all(-1)  # (B,)
+        refused = self.no_drafts.nd[: len(seqs)] if drafts.refused is None else drafts.refused  # (B,)
         flags = torch.stack([na, drafts.nd, finite, refused], dim=1)  # (B, 4) long
         packed = torch.cat([flags, emitted, drafts.tokens], dim=1).tolist()
         top_n = max(s.params.logprobs for s in seqs)
@@ -178,8 +169,6 @@ class ModelRunner:
         for b, (row, s) in enumerate(zip(packed, seqs)):
             n, nd, ok, bad, k = *row[:4], s.params.logprobs
             lp = [(chosen[b][j], dict(zip(top_i[b][j][:k], top_v[b][j][:k]))) for j in range(n + 1)] if k else None
-            error = ("proposer: draft ids outside [0, vocab_size)" if bad else
-                     None if ok else "non-finite logits")
-            out.append(RowResult(na=n, drafts=row[4 + K : 4 + K + nd], tokens=row[4 : 5 + n], logprobs=lp,
-                                 error=error))
+            error = "proposer: draft ids outside [0, vocab_size)" if bad else None if ok else "non-finite logits"
+            out.append(RowResult(na=n, drafts=row[4 + K : 4 + K + nd], tokens=row[4 : 5 + n], logprobs=lp, error=error))
         return out

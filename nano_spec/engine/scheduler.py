@@ -6,9 +6,9 @@
       postprocess  emit each sequence's accepted drafts then the target's pick, stopping at the first
                    finishing token; release finished slots
 
-Everything here is host-side: lists of ints and Sequence objects. No tensor passes through.
-One fault policy: a row the runner reports bad (non-finite logits, drafts its drafter got
-wrong) ends that sequence; anything a runner call raises ends every sequence of that call.
+Everything here is host-side: lists of ints and Sequence objects. No tensor passes through. One fault policy: a
+row the runner reports bad (non-finite logits, drafts its drafter got wrong) ends that sequence; anything a runner
+call raises ends every sequence of that call.
 """
 from collections import deque
 from dataclasses import dataclass, field
@@ -77,13 +77,10 @@ class StepReport:
 class Scheduler:
     def __init__(self, runner, tokenizer, max_seq_len: int, planner=None, threads=None):
         self.runner, self.tok, self.tel, self.planner = runner, tokenizer, runner.tel, planner
-        self.threads = threads  # a ThreadTuner: the CPU threads of each step
-        self.max_seq_len = max_seq_len
+        self.threads, self.max_seq_len = threads, max_seq_len  # threads: a ThreadTuner, the CPU threads of each step
         self.free_slots = list(range(runner.cache.num_slots))
-        self.waiting = deque()
-        self.running = []
-        self.next_id = 0
-        self.steps = 0
+        self.waiting, self.running = deque(), []
+        self.next_id = self.steps = 0
 
     def add(self, prompt_ids: list, params: SamplingParams, constraint=None) -> Sequence:
         seq = Sequence(self.next_id, len(prompt_ids), list(prompt_ids), params, decoder=IncrementalDecoder(self.tok),
@@ -105,20 +102,17 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def step(self, focus: set | None = None) -> StepReport:
-        """One engine step: admit what fits, then one speculative step of every live sequence."""
         report = StepReport(self.steps)
         self.steps += 1
-        self.tel.begin_step()
+        self.tel.step_seconds = {}  # phase -> seconds within this step
         if self.threads is not None:
             self.threads.apply()
         batch = self._schedule(report, focus)                                  # schedule
         if batch:
             gamma = self._gamma(batch)
             t0, spent, compiled = self.tel.clock(), self.tel.drafter_seconds(), self.runner.compile_seconds()
-            results = self._call(batch, "step", self.runner.step, batch, gamma)  # run
-            if results is None:
-                report.failed += [s.id for s in batch]
-            else:                                                              # postprocess
+            results = self._call(report, batch, "step", self.runner.step, batch, gamma)  # run
+            if results is not None:                                                    # postprocess
                 report.rows += [self._apply(seq, r) for seq, r in zip(batch, results)]
                 if self.runner.compile_seconds() == compiled:  # a step that compiled a graph is not its cost
                     self._observe(len(batch), gamma, t0, spent, results)
@@ -158,21 +152,19 @@ class Scheduler:
     def _admit(self, seq: Sequence, report: StepReport):
         seq.slot = self.free_slots.pop(0)
         self.running.append(seq)
-        r = self._call([seq], "prefill", self.runner.admit, seq)
-        if r is None:
-            report.failed.append(seq.id)
-        elif r.error:
+        r = self._call(report, [seq], "prefill", self.runner.admit, seq)
+        if r is not None and r.error:
             self._end(seq, r.error)
             report.failed.append(seq.id)
-        else:
+        elif r is not None:
             self._emit(seq, r.tokens[0], r.logprobs[0] if r.logprobs else None, PREFILL)
             report.admitted.append((seq.id, r.tokens[0]))
         self._release([seq])
 
-    def _call(self, seqs: list, what: str, fn, *args):
+    def _call(self, report: StepReport, seqs: list, what: str, fn, *args):
         """fn(*args), a runner call on seqs. Whatever it raises belongs to no single row, and the caches of all
-        of seqs are in an unknown state: each ends with an error and frees its slot. An interrupt then goes on
-        up; an exception stays here (None is returned), so the engine serves the other requests."""
+        of seqs are in an unknown state: each ends with an error, frees its slot and is reported failed. An
+        interrupt then goes on up; an exception stays here (None is returned), so the engine serves the others."""
         try:
             return fn(*args)
         except BaseException as e:
@@ -181,6 +173,7 @@ class Scheduler:
                 self._end(seq, f"interrupted: {type(e).__name__} during {what}" if interrupt else
                           f"{what}: {type(e).__name__}: {' '.join(str(e).split())}")
             self._release(seqs)
+            report.failed += [s.id for s in seqs]
             if interrupt:
                 raise
             return None
@@ -214,7 +207,7 @@ class Scheduler:
             seq.logprobs.append(logprob)
         p, c = seq.params, seq.constraint
         if c is not None and not c.consume(token):  # not reached: every pick and draft is made under the mask
-            seq.error, seq.finish_reason = f"grammar: {c.error}", "error"
+            self._end(seq, f"grammar: {c.error}")
         elif token in p.stop_token_ids or (token in self.tok.eos_ids and not p.ignore_eos):
             seq.finish_reason = "stop"
         elif new_text and p.stop and self._cut_at_stop(seq, len(new_text)):  # before the grammar's end: cut
@@ -244,6 +237,4 @@ class Scheduler:
 
     def output_text(self, seq: Sequence) -> str:
         """The whole text once finished; while running, only complete characters."""
-        if seq.text is not None:
-            return seq.text
-        return seq.decoder.full_text() if seq.finished else seq.decoder.text
+        return seq.text if seq.text is not None else seq.decoder.full_text() if seq.finished else seq.decoder.text

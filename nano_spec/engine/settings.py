@@ -1,8 +1,8 @@
 """The engine's settings: LLM(...)'s arguments, each checked once and resolved into one frozen EngineConfig before a
 weight is read or a cache allocated. Every refusal is a ValueError naming the argument (docs/ERRORS.md).
 
-Three names for draft counts, one meaning each: `num_drafts` is the argument (an integer, or "auto"),
-`max_drafts` is γ_max (the most drafts any step verifies; the caches are sized for it), and γ is one step's.
+Three names for draft counts, one meaning each: `num_drafts` is the argument (an integer, or "auto"), `max_drafts`
+is γ_max (the most drafts any step verifies; the caches are sized for it), and γ is one step's.
 """
 import os
 from dataclasses import dataclass
@@ -65,18 +65,15 @@ class EngineConfig:
         backend = resolve_compile_backend(backend, device, compile)
         path = checkpoint(model)
         cfg = ModelConfig.from_file(path / "config.json")
-        dflash, drafter_dir = block_drafter(drafter, proposer, path, cfg)
-        kind, max_drafts = resolve_drafter(proposer, num_drafts, cfg.has_mtp, dflash and dflash.block_size)
+        kind, max_drafts, dflash, drafter_dir = resolve_drafter(proposer, num_drafts, drafter, path, cfg)
         if dtype is None:  # CUDA: the stored dtype (bf16 for hub checkpoints); CPU: fp32, see README
             dtype = stored_dtype(path) if device.type == "cuda" else torch.float32
         budget = int(0.9 * available_bytes(device)) if memory_budget is None else memory_budget
         return cls(path, cfg, device, dtype, backend, compile, max_batch, kind, max_drafts,
-                   num_drafts == "auto" and max_drafts > 0, dflash if kind == "dflash" else None,
-                   drafter_dir if kind == "dflash" else None, threads, budget, max_seq_len)
+                   num_drafts == "auto" and max_drafts > 0, dflash, drafter_dir, threads, budget, max_seq_len)
 
 
 def available_bytes(device: torch.device) -> int:
-    """Free memory on the device the caches will live on."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     try:  # MemAvailable counts the page cache the kernel can reclaim, which free pages alone leave out
@@ -136,27 +133,12 @@ def checkpoint(model) -> Path:
     return path
 
 
-def block_drafter(drafter, proposer, path: Path, cfg: ModelConfig) -> tuple:
-    """The DFlash drafter's (config, directory) for proposer="dflash": drafter=DIR, else <checkpoint>/dflash/."""
+def resolve_drafter(proposer, num_drafts, drafter, path: Path, cfg: ModelConfig) -> tuple:
+    """-> (a name in {mtp, dflash, ngram, none} or the caller's object, max_drafts, and for "dflash" the block
+    drafter's config and directory, else None, None). proposer "auto": mtp when the checkpoint has an MTP head,
+    else ngram. drafter: the DFlash drafter's directory; None: <checkpoint>/dflash/."""
     if drafter is not None and proposer != "dflash":
         raise ValueError(f"drafter: is read only with proposer='dflash', not {proposer!r}")
-    directory = Path(drafter) if drafter is not None else path / DRAFTER_DIR
-    if proposer != "dflash":
-        return None, None
-    if not (directory / "config.json").is_file():
-        raise ValueError(f"drafter: no DFlash drafter at {directory} (a directory with config.json and "
-                         "model.safetensors; scripts/train_dflash.py trains one)")
-    dflash = DFlashConfig.from_file(directory / "config.json")
-    dflash.check(cfg)
-    return dflash, directory
-
-
-def resolve_drafter(proposer, num_drafts, has_mtp: bool, block_size: int | None = None) -> tuple:
-    """(a name in {mtp, dflash, ngram, none} or the caller's object, max_drafts).
-
-    proposer: a name in DRAFTERS (auto = mtp when the checkpoint has an MTP head, else ngram), or an object with
-    max_drafts and METHODS. num_drafts: γ for every step, or "auto" (max_drafts = AUTO_MAX_DRAFTS, or a DFlash
-    block's Bk - 1; the planner picks γ per step). block_size: the DFlash drafter's Bk, when one was found."""
     if not isinstance(proposer, str):
         n = getattr(proposer, "max_drafts", None)
         if not is_int(n, 0, 16):
@@ -165,24 +147,29 @@ def resolve_drafter(proposer, num_drafts, has_mtp: bool, block_size: int | None 
         if missing:
             raise ValueError(f"proposer: {type(proposer).__name__} needs methods {', '.join(METHODS)}; "
                              f"missing {', '.join(missing)}")
-        return proposer, n
+        return proposer, n, None, None
     if proposer not in DRAFTERS:
         raise ValueError(f"proposer: {proposer!r} is not one of {', '.join(DRAFTERS)}")
+    dflash = directory = None
+    if proposer == "dflash":
+        directory = Path(drafter) if drafter is not None else path / DRAFTER_DIR
+        if not (directory / "config.json").is_file():
+            raise ValueError(f"drafter: no DFlash drafter at {directory} (a directory with config.json and "
+                             "model.safetensors; scripts/train_dflash.py trains one)")
+        dflash = DFlashConfig.from_file(directory / "config.json")
+        dflash.check(cfg)
     if num_drafts == "auto":
-        num_drafts = min(block_size - 1, 16) if proposer == "dflash" and block_size else AUTO_MAX_DRAFTS
+        num_drafts = min(dflash.block_size - 1, 16) if dflash else AUTO_MAX_DRAFTS
     if not is_int(num_drafts, 0, 16):
         raise ValueError(f"num_drafts: {num_drafts!r} must be 'auto' or an integer in [0, 16]")
     if proposer == "none" or num_drafts == 0:
-        return "none", 0
+        return "none", 0, None, None
     if proposer == "auto":
-        proposer = "mtp" if has_mtp else "ngram"
-    if proposer == "mtp" and not has_mtp:
+        proposer = "mtp" if cfg.has_mtp else "ngram"
+    if proposer == "mtp" and not cfg.has_mtp:
         raise ValueError("proposer: 'mtp' needs a checkpoint with an MTP head (num_nextn_predict_layers: 1); "
                          "use 'ngram'")
-    if proposer == "dflash" and block_size is None:
-        raise ValueError("proposer: 'dflash' needs a drafter: <checkpoint>/dflash/ or drafter=<directory> "
-                         "(scripts/train_dflash.py trains one)")
-    if proposer == "dflash" and num_drafts > block_size - 1:
+    if dflash and num_drafts > dflash.block_size - 1:
         raise ValueError(f"num_drafts: {num_drafts} exceeds what one block drafts: the drafter's block_size is "
-                         f"{block_size}, so at most {block_size - 1}")
-    return proposer, num_drafts
+                         f"{dflash.block_size}, so at most {dflash.block_size - 1}")
+    return proposer, num_drafts, dflash, directory

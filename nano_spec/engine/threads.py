@@ -35,9 +35,8 @@ MAX_THREADS = 4 * (os.cpu_count() or 1)   # far past any gain; an absurd count (
 
 
 def default_threads(model, max_batch: int, device) -> int:
-    """1 on a CPU when a step's work (parameters x max_batch) is too small to split across cores,
-    else torch's default (one thread per core). Measured on the shipped 8M model: 1 thread wins at
-    batch 1, 2 threads at batch 8."""
+    """1 on a CPU when a step's work (parameters x max_batch) is too small to split across cores, else torch's
+    default (one thread per core). Measured on the shipped 8M model: 1 thread wins at batch 1, 2 at batch 8."""
     work = sum(p.numel() for p in model.parameters()) * max_batch
     return 1 if device.type == "cpu" and work < SPLIT_WORK else TORCH_THREADS
 

@@ -73,7 +73,8 @@ class HybridCache:
 
     def _view(self, flat, shape, B, K):
         if not (1 <= K <= self.max_k and 1 <= B <= self.num_slots):
-            raise ValueError(f"a verify of B={B} x K={K} exceeds the cache ({self.num_slots} slots, max_k={self.max_k})")
+            raise ValueError(f"a verify of B={B} x K={K} exceeds the cache ({self.num_slots} slots, "
+                             f"max_k={self.max_k})")
         return flat[: torch.Size(shape).numel()].view(shape)
 
     def reset_slot(self, slot: int):

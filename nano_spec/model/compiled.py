@@ -12,11 +12,6 @@ as two opaque custom ops with their writes declared (`mamba_write`, `kv_write`),
 the cache views and they write in place. Traced instead, a write into a slice of a cache buffer becomes a
 copy of the whole buffer and a copy back, every call. The cache buffers are static addresses and a graph
 has no host sync (fullgraph), so on CUDA every graph is captured as a CUDA graph ("reduce-overhead").
-
-    1. Mamba            mamba_verify: the K-row recurrence, then mamba_write
-    2. attention        attention_verify: kv_write, then attention over the cache rows
-    3. buckets          Bucketed: pad, round kv, compile per bucket, time the compiling calls
-    4. entry points     compiled_verify, CompiledAcceptRule, use_compiled_ops
 """
 import time
 
@@ -40,9 +35,7 @@ def mamba_write(conv_state: Tensor, ssm_state: Tensor, conv_stash: Tensor, ssm_s
     conv_state[slot_ids] = window[:, :, window.shape[2] - conv_state.shape[2]:]
 
 
-@mamba_write.register_fake
-def _(conv_state, ssm_state, conv_stash, ssm_stash, slot_ids, window, states):
-    return None
+mamba_write.register_fake(lambda *args: None)  # writes only: nothing to trace
 
 
 def mamba_verify(xBC, dt, conv_state, ssm_state, slot_ids, conv_weight, conv_bias, dt_bias, A_log, D,
@@ -76,9 +69,7 @@ def kv_write(k_cache: Tensor, v_cache: Tensor, slot_ids: Tensor, pos: Tensor, k:
     v_cache[slot_ids[:, None], pos] = v
 
 
-@kv_write.register_fake
-def _(k_cache, v_cache, slot_ids, pos, k, v):
-    return None
+kv_write.register_fake(lambda *args: None)
 
 
 def attention_verify(q, k, v, k_cache, v_cache, slot_ids, seq_lens, scale: float, rope_theta=None):
@@ -112,19 +103,14 @@ def buckets(least: int, most: int) -> set:
     return {bucket(n, least, most) for n in range(1, most + 1)}
 
 
-def compile_options() -> dict:
-    """torch.compile's settings for every compiled call. The weights are fixed for an engine's life, so the
-    guards skip the modules' attributes: checking every parameter on each call cost ~0.3 ms. Inductor keeps a
-    fused chain of bf16 ops in fp32 unless told to round after each op as eager does; without that, bf16
-    compiled logits drift from eager's and greedy tokens part within a few dozen (fp32 is unaffected)."""
-    return {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe, "emulate_precision_casts": True}
-
-
 def compile_fn(fn, device, dynamic: bool | None):
-    """torch.compile of fn with nano_spec's settings: one graph, no break (so no host sync inside), and on
-    CUDA each graph captured as a CUDA graph ("reduce-overhead")."""
+    """torch.compile of fn with nano_spec's settings. The weights are fixed for an engine's life, so the guards skip
+    the modules' attributes: checking every parameter on each call cost ~0.3 ms. Inductor keeps a fused chain of
+    bf16 ops in fp32 unless told to round after each op as eager does; without that, bf16 compiled logits drift
+    from eager's and greedy tokens part within a few dozen (fp32 is unaffected)."""
     mode = "reduce-overhead" if torch.device(device).type == "cuda" else None
-    return torch.compile(fn, fullgraph=True, dynamic=dynamic, mode=mode, options=compile_options())
+    options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe, "emulate_precision_casts": True}
+    return torch.compile(fn, fullgraph=True, dynamic=dynamic, mode=mode, options=options)
 
 
 class Timed:
@@ -149,16 +135,15 @@ class Timed:
         key = (threads, key)
         if self.cuda:
             torch.compiler.cudagraph_mark_step_begin()
+        new = key not in self.seen
         with self.scope:  # ~10 us a call
-            if key in self.seen:
-                out = fn(*args)
-            else:
-                if self.listener is not None:
-                    self.listener(self.label, 1 + sum(t == threads for t, _ in self.seen), self.most, threads)
-                t0 = time.perf_counter()
-                out = fn(*args)  # compiles the graph, or loads it from the on-disk cache
-                self.seen.add(key)
-                self.seconds += time.perf_counter() - t0
+            if new and self.listener is not None:
+                self.listener(self.label, 1 + sum(t == threads for t, _ in self.seen), self.most, threads)
+            t0 = time.perf_counter()
+            out = fn(*args)  # a new key compiles the graph, or loads it from the on-disk cache
+        if new:
+            self.seen.add(key)
+            self.seconds += time.perf_counter() - t0
         return each(out, Tensor.clone) if self.cuda else out
 
 

@@ -39,6 +39,24 @@ def is_finite(v) -> bool:
         return False
 
 
+def check_fields(obj, sizes: dict, numbers=(), error=ValueError, prefix: str = ""):
+    """Refuse the first size of obj (name: (lo, hi)) that is not an integer in [lo, hi], then the first number that
+    is not finite, naming the field."""
+    for name, (lo, hi) in sizes.items():
+        if not is_int(getattr(obj, name), lo, hi):
+            raise error(f"{prefix}{name}: {getattr(obj, name)!r} is not an integer in [{lo}, {hi}]")
+    for name in numbers:
+        if not is_finite(getattr(obj, name)):
+            raise error(f"{prefix}{name}: {getattr(obj, name)!r} is not a finite number")
+
+
+def check_rules(rules, error=ValueError, prefix: str = ""):
+    """Refuse the first (valid, message) rule that fails; a generator's rules may rely on those before them."""
+    for valid, message in rules:
+        if not valid:
+            raise error(prefix + message)
+
+
 class ConfigError(ValueError):
     """A config.json that nano_spec cannot build a model from; the message names the field."""
 
@@ -136,9 +154,7 @@ class ModelConfig:
         if "rope_theta" in rope:
             kw["rope_theta"] = rope["rope_theta"]
         kw["time_step_limit"] = _time_step_limit(d.get("time_step_limit"))
-        cfg = cls(**kw)
-        cfg._validate()
-        return cfg
+        return cls(**kw)
 
     @classmethod
     def from_file(cls, path) -> "ModelConfig":
@@ -165,15 +181,10 @@ class ModelConfig:
                  num_hidden_layers=self.num_hidden_layers, num_local_experts=0, hidden_act="silu")
         return d
 
-    def _validate(self):
-        for name, cap in LIMITS.items():
-            v = getattr(self, name)  # num_hidden_layers is the property len(layer_types)
-            if not is_int(v, 0, cap):
-                raise ConfigError(f"{name}: {v!r} is not an integer in [0, {cap}]")
-        for name in FLOATS:
-            v = getattr(self, name)
-            if not is_finite(v):
-                raise ConfigError(f"{name}: {v!r} is not a finite number")
+    def __post_init__(self):
+        """Every field checked, whoever builds the config; num_key_value_heads and mamba_d_head 0 are filled in."""
+        # num_hidden_layers is the property len(layer_types)
+        check_fields(self, {name: (0, cap) for name, cap in LIMITS.items()}, FLOATS, ConfigError)
         for name in BOOLS:  # the string "false" would count as true
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}: {getattr(self, name)!r} is not true or false")
@@ -187,9 +198,8 @@ class ModelConfig:
         if self.mamba_d_head == 0 and self.mamba_n_heads > 0:
             self.mamba_d_head = self.mamba_expand * self.hidden_size // self.mamba_n_heads
         mamba = bool(self.mamba_layers)
-        for name in REQUIRED + (MAMBA_SIZES if mamba else ()):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name}: must be positive, got {getattr(self, name)}")
+        check_rules(((getattr(self, n) >= 1, f"{n}: must be positive, got {getattr(self, n)}")
+                     for n in REQUIRED + (MAMBA_SIZES if mamba else ())), ConfigError)
         # every size is now a positive integer: the rules below can divide by them
         D, Hq, Hkv = self.hidden_size, self.num_attention_heads, self.num_key_value_heads
         H, P, G, E = self.mamba_n_heads, self.mamba_d_head, self.mamba_n_groups, self.mamba_expand
@@ -211,13 +221,10 @@ class ModelConfig:
             (self.logits_scaling != 0 and self.rms_norm_eps > 0,
              "logits_scaling must be non-zero and rms_norm_eps positive"),
             (self.rope_theta > 0, f"rope_theta: {self.rope_theta!r} must be positive"),
+            *((is_int(e, 0, self.vocab_size - 1), f"eos_token_id: {e!r} is not a token id below vocab_size "
+               f"{self.vocab_size}") for e in self.eos_ids),  # true is not token 1
         )
-        for valid, message in rules:
-            if not valid:
-                raise ConfigError(message)
-        for e in self.eos_ids:
-            if not is_int(e, 0, self.vocab_size - 1):  # true is not token 1
-                raise ConfigError(f"eos_token_id: {e!r} is not a token id below vocab_size {self.vocab_size}")
+        check_rules(rules, ConfigError)
 
 
 def _check_architecture(d: dict):
@@ -262,9 +269,7 @@ def _layer_types(d: dict) -> list:
 def _decode_floats(obj):
     """transformers may write inf/nan as {"__float__": "Infinity"}."""
     if isinstance(obj, dict):
-        if set(obj) == {"__float__"}:
-            return float(obj["__float__"])
-        return {k: _decode_floats(v) for k, v in obj.items()}
+        return float(obj["__float__"]) if set(obj) == {"__float__"} else {k: _decode_floats(v) for k, v in obj.items()}
     if isinstance(obj, list):
         return [_decode_floats(v) for v in obj]
     return obj

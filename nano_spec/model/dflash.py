@@ -33,9 +33,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nano_spec.model.config import LIMITS, ModelConfig, is_finite, is_int
-from nano_spec.model.ops import Norm  # a weight; the math is ops.rmsnorm, in fp32 as the target's
-from nano_spec.model.weights import load_tensors, tensor_index
+from nano_spec.model.config import LIMITS, ModelConfig, check_fields, check_rules, is_int
+from nano_spec.model.layers import Attention, Norm  # weights; the math is ops.rmsnorm, in fp32 as the target's
+from nano_spec.model.weights import load_tensors
 from nano_spec_kernels.common import apply_rope_ref
 
 
@@ -98,14 +98,8 @@ class DFlashConfig:
                    rms_norm_eps=cfg.rms_norm_eps, max_position_embeddings=cfg.max_position_embeddings)
 
     def __post_init__(self):
-        """Every field checked, whoever builds the config, so a drafter is only ever built from sizes in bounds;
-        the first field that is wrong is named."""
-        for name, (lo, hi) in SIZES.items():
-            if not is_int(getattr(self, name), lo, hi):
-                raise ValueError(f"drafter: {name}: {getattr(self, name)!r} is not an integer in [{lo}, {hi}]")
-        for name in NUMBERS:
-            if not is_finite(getattr(self, name)):
-                raise ValueError(f"drafter: {name}: {getattr(self, name)!r} is not a finite number")
+        """Every field checked whoever builds the config, so a drafter is only ever built from sizes in bounds."""
+        check_fields(self, SIZES, NUMBERS, prefix="drafter: ")
         Hq, Hkv, V, L, taps = (self.num_attention_heads, self.num_key_value_heads, self.vocab_size,
                                self.num_target_layers, self.target_layer_ids)
         rules = (  # valid, the message naming the field
@@ -121,9 +115,7 @@ class DFlashConfig:
             (self.rms_norm_eps > 0, f"rms_norm_eps: {self.rms_norm_eps!r} must be positive"),
             (self.rope_theta > 0, f"rope_theta: {self.rope_theta!r} must be positive"),
         )
-        for valid, message in rules:
-            if not valid:
-                raise ValueError(f"drafter: {message}")
+        check_rules(rules, prefix="drafter: ")
 
     @property
     def num_parameters(self) -> int:
@@ -155,9 +147,8 @@ class DFlashConfig:
             raise ValueError(f"drafter: {path} is not a DFlash config (a JSON object of Qwen3 fields and "
                              "dflash_config)")
         draft, rope = d.get("dflash_config"), d.get("rope_parameters") or {}
-        for name, value in (("dflash_config", draft), ("rope_parameters", rope)):
-            if not isinstance(value, dict):
-                raise ValueError(f"drafter: {name}: {value!r} is not a JSON object")
+        check_rules(((isinstance(v, dict), f"{n}: {v!r} is not a JSON object")
+                     for n, v in (("dflash_config", draft), ("rope_parameters", rope))), prefix="drafter: ")
         kw = {f: d[f] for f in cls.__dataclass_fields__ if f in d and f not in cls.DRAFT_FIELDS}
         kw.update({f: draft[f] for f in cls.DRAFT_FIELDS if f in draft})
         if "rope_theta" in rope:  # the newer spelling
@@ -173,33 +164,16 @@ class DFlashConfig:
         return cfg
 
     def check(self, target: ModelConfig):
-        """Refuse a drafter that does not fit the target, naming the field (each field alone was checked when the
-        config was made)."""
-        L = target.num_hidden_layers
-        problems = [
-            (self.hidden_size == target.hidden_size, f"hidden_size: {self.hidden_size} != the target's "
-                                                     f"{target.hidden_size}"),
-            (self.vocab_size == target.vocab_size, f"vocab_size: {self.vocab_size} != the target's "
-                                                   f"{target.vocab_size}"),
-            (self.num_target_layers == L, f"num_target_layers: {self.num_target_layers} != the target's layer "
-                                          f"count {L}"),
-            (max(self.target_layer_ids) < L,
-             f"target_layer_ids: {self.target_layer_ids!r} must be layer indices of the target (0 .. {L - 1})"),
-        ]
-        bad = [msg for ok, msg in problems if not ok]
+        """Refuse a drafter that does not fit the target, naming each field that does not."""
+        L, taps = target.num_hidden_layers, self.target_layer_ids
+        bad = [f"{n}: {getattr(self, n)} != the target's {getattr(target, n)}" for n in ("hidden_size", "vocab_size")
+               if getattr(self, n) != getattr(target, n)]
+        if self.num_target_layers != L:
+            bad.append(f"num_target_layers: {self.num_target_layers} != the target's layer count {L}")
+        if max(taps) >= L:
+            bad.append(f"target_layer_ids: {taps!r} must be layer indices of the target (0 .. {L - 1})")
         if bad:
             raise ValueError("drafter: " + "; ".join(bad))
-
-
-class SelfAttention(nn.Module):
-    def __init__(self, cfg: DFlashConfig):
-        super().__init__()
-        D, Dh = cfg.hidden_size, cfg.head_dim
-        self.q_proj = nn.Linear(D, cfg.num_attention_heads * Dh, bias=False)
-        self.k_proj = nn.Linear(D, cfg.num_key_value_heads * Dh, bias=False)
-        self.v_proj = nn.Linear(D, cfg.num_key_value_heads * Dh, bias=False)
-        self.o_proj = nn.Linear(cfg.num_attention_heads * Dh, D, bias=False)
-        self.q_norm, self.k_norm = Norm(Dh), Norm(Dh)
 
 
 class SwiGLU(nn.Module):
@@ -217,13 +191,10 @@ class Layer(nn.Module):
     def __init__(self, cfg: DFlashConfig):
         super().__init__()
         self.input_layernorm, self.post_attention_layernorm = Norm(cfg.hidden_size), Norm(cfg.hidden_size)
-        self.self_attn, self.mlp = SelfAttention(cfg), SwiGLU(cfg)
+        self.self_attn, self.mlp = Attention(cfg, qk_norm=True), SwiGLU(cfg)
 
 
 class DFlashModel(nn.Module):
-    """The drafter's weights and its two forwards: `forward` (no cache: the reference, and training) and
-    `draft_hidden` (the engine's: context K/V from a cache, the block through ops.attention_block)."""
-
     def __init__(self, cfg: DFlashConfig, ops):
         super().__init__()
         self.cfg, self.ops = cfg, ops
@@ -240,26 +211,24 @@ class DFlashModel(nn.Module):
         """The tapped rows (..., nT*D) -> the context rows c (..., D)."""
         return self._norm(self.fc(tapped), self.hidden_norm)
 
+    def _kv(self, a: Attention, x):
+        """Rows x (B, T, D) -> k (normed, not rotated) and v, (B, T, Hkv, Dh) each."""
+        shape = (*x.shape[:2], self.cfg.num_key_value_heads, self.cfg.head_dim)
+        return self._norm(a.k_proj(x).view(shape), a.k_norm), a.v_proj(x).view(shape)
+
     def context_kv(self, i: int, c, positions):
         """Layer i's keys and values of context rows c (B, T, D) at positions (B, T) -> (B, T, Hkv, Dh) each."""
-        a, shape = self.layers[i].self_attn, (*c.shape[:2], self.cfg.num_key_value_heads, self.cfg.head_dim)
-        k = self._norm(a.k_proj(c).view(shape), a.k_norm)
-        return apply_rope_ref(k, positions, self.cfg.rope_theta), a.v_proj(c).view(shape)
-
-    def _block_qkv(self, a: SelfAttention, y):
-        """Block rows y (B, Bk, D) -> q (B, Bk, Hq, Dh), k, v (B, Bk, Hkv, Dh); q and k normed, not rotated."""
-        B, Bk, Dh, Hkv = *y.shape[:2], self.cfg.head_dim, self.cfg.num_key_value_heads
-        q = self._norm(a.q_proj(y).view(B, Bk, self.cfg.num_attention_heads, Dh), a.q_norm)
-        k = self._norm(a.k_proj(y).view(B, Bk, Hkv, Dh), a.k_norm)
-        return q, k, a.v_proj(y).view(B, Bk, Hkv, Dh)
+        k, v = self._kv(self.layers[i].self_attn, c)
+        return apply_rope_ref(k, positions, self.cfg.rope_theta), v
 
     def _layers(self, x, attend):
-        """x (B, Bk, D) through every layer; attend(i, q, k, v) is the attention -> final-normed (B, Bk, D)."""
-        eps = self.cfg.rms_norm_eps
+        """x (B, Bk, D) through every layer -> final-normed (B, Bk, D); attend(i, q, k, v) is the attention of the
+        block's q (B, Bk, Hq, Dh) and k, v (B, Bk, Hkv, Dh), q and k normed, not rotated."""
         for i, layer in enumerate(self.layers):
-            q, k, v = self._block_qkv(layer.self_attn, self._norm(x, layer.input_layernorm))
-            x = x + layer.self_attn.o_proj(attend(i, q, k, v).flatten(-2))
-            x = x + layer.mlp(self.ops.rmsnorm(x, layer.post_attention_layernorm.weight, eps)[0])
+            a, y = layer.self_attn, self._norm(x, layer.input_layernorm)
+            q = self._norm(a.q_proj(y).view(*y.shape[:2], -1, self.cfg.head_dim), a.q_norm)
+            x = x + a.o_proj(attend(i, q, *self._kv(a, y)).flatten(-2))
+            x = x + layer.mlp(self._norm(x, layer.post_attention_layernorm))
         return self._norm(x, self.norm)
 
     def forward(self, x, tapped, positions, mask=None):
@@ -288,22 +257,8 @@ class DFlashModel(nn.Module):
                                                              slot_ids, ctx_lens, self.scale, self.cfg.rope_theta)
         return self._layers(x, attend)
 
-    @torch.no_grad()
-    def init_weights(self, std: float = 0.02, seed: int | None = None):
-        g = torch.Generator().manual_seed(seed) if seed is not None else None
-        for name, p in self.named_parameters():
-            p.fill_(1.0) if name.endswith("norm.weight") else p.copy_(torch.empty(p.shape).normal_(0, std, generator=g))
-        return self
 
-
-def load_drafter(path, target: ModelConfig, ops, device, dtype) -> DFlashModel:
-    """A drafter directory (config.json with dflash_config, model.safetensors) checked against the target."""
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        raise ValueError(f"drafter: {path} has no config.json (a DFlash drafter directory: config.json with "
-                         "dflash_config, model.safetensors; scripts/train_dflash.py writes one)")
-    cfg = DFlashConfig.from_file(path / "config.json")
-    cfg.check(target)
-    with torch.device("meta"):
-        drafter = DFlashModel(cfg, ops)
-    return load_tensors(drafter, path, tensor_index(path), device, dtype)
+def load_drafter(path, cfg: DFlashConfig, ops, device, dtype) -> DFlashModel:
+    """The weights of a drafter directory (model.safetensors) into the network of its config.json, which the caller
+    has read and checked against the target (nano_spec/engine/settings.py)."""
+    return load_tensors(lambda: DFlashModel(cfg, ops), path, device, dtype)

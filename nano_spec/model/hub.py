@@ -54,11 +54,9 @@ def resolve(model_id: str) -> Path:
         what = f"lacks {', '.join(missing)}" if missing else "is not in the Hugging Face cache"
         raise ValueError(f"model: {model_id} is not a directory and {what} ({constants.HF_HUB_CACHE}); "
                          f"offline (HF_HUB_OFFLINE=1): {fetch}")
-    if cached is None:
-        where = f"not in the Hugging Face cache ({constants.HF_HUB_CACHE})"
-    else:
-        where = f"is in the Hugging Face cache ({constants.HF_HUB_CACHE}) only in part"
-        where += f" (lacks {', '.join(missing)})" if missing else ""
+    lacks = f" (lacks {', '.join(missing)})" if missing else ""
+    where = (f"not in the Hugging Face cache ({constants.HF_HUB_CACHE})" if cached is None
+             else f"is in the Hugging Face cache ({constants.HF_HUB_CACHE}) only in part{lacks}")
     unreachable = f"model: {model_id} is not a directory, {where} and the hub cannot be reached: {fetch}"
     try:
         snapshot = Path(snapshot_download(model_id, allow_patterns=FILES))

@@ -17,14 +17,7 @@ One token through a layer:
     y    = RMSNorm_post(h)
     h   += residual_multiplier * MLP(y)
 and after the last layer logits = lm_head(RMSNorm_final(h)) / logits_scaling.
-
-Entry points:
-    forward(ids)                 no cache, the reference: (B, T) -> logits (B, T, V)
-    prefill(ids, slot, cache)    one prompt into a cache slot -> final-normed hidden (T, D)
-    verify(ids, ...)             B slots x K rows, writes the stashes -> logits (B, K, V)
-    mtp_prefill / mtp_forward    the draft head over catch-up rows or single draft rows
 """
-import math
 from pathlib import Path
 
 import torch
@@ -34,8 +27,9 @@ import torch.nn.functional as F
 from nano_spec_kernels.common import apply_rope_ref
 from nano_spec.model.cache import HybridCache
 from nano_spec.model.config import ModelConfig
-from nano_spec.model.ops import Norm, Ops
-from nano_spec.model.weights import FLOAT_DTYPES, CheckpointError, load_tensors, tensor_index
+from nano_spec.model.layers import Attention, Norm
+from nano_spec.model.ops import Ops
+from nano_spec.model.weights import FLOAT_DTYPES, CheckpointError, load_tensors
 
 
 def in_major(w):
@@ -52,35 +46,6 @@ class MLP(nn.Module):
     def forward(self, x):
         gate, up = self.input_linear(x).chunk(2, dim=-1)  # gate is the first half
         return self.output_linear(F.silu(gate) * up)
-
-
-class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        D, Dh, bias = cfg.hidden_size, cfg.head_dim, cfg.attention_bias
-        self.q_proj = nn.Linear(D, cfg.num_attention_heads * Dh, bias=bias)
-        self.k_proj = nn.Linear(D, cfg.num_key_value_heads * Dh, bias=bias)
-        self.v_proj = nn.Linear(D, cfg.num_key_value_heads * Dh, bias=bias)
-        self.o_proj = nn.Linear(cfg.num_attention_heads * Dh, D, bias=bias)
-        self.Dh = Dh
-        self.sizes = (self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features)
-        # [q | k | v] stacked for one GEMM per inference call by fuse_qkv(); never saved, training updates q/k/v_proj
-        self.register_buffer("qkv_weight", None, persistent=False)
-        self.register_buffer("qkv_bias", None, persistent=False)
-
-    def fuse_qkv(self):
-        self.qkv_weight = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]).detach()
-        if self.q_proj.bias is not None:
-            self.qkv_bias = torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]).detach()
-
-    def qkv(self, x):
-        """(..., D) -> q (..., Hq, Dh), k and v (..., Hkv, Dh)."""
-        lead = x.shape[:-1]
-        if self.qkv_weight is not None:
-            q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split(self.sizes, dim=-1)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        return q.view(*lead, -1, self.Dh), k.view(*lead, -1, self.Dh), v.view(*lead, -1, self.Dh)
 
 
 class Mamba(nn.Module):
@@ -109,13 +74,12 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, kind: str):
         super().__init__()
         self.kind = kind
-        self.input_layernorm = Norm(cfg.hidden_size)
-        self.post_attention_layernorm = Norm(cfg.hidden_size)
+        self.input_layernorm, self.post_attention_layernorm = Norm(cfg.hidden_size), Norm(cfg.hidden_size)
         self.shared_mlp = MLP(cfg)
         if kind == "mamba":
             self.mamba = Mamba(cfg)
         else:
-            self.self_attn = Attention(cfg)
+            self.self_attn = Attention(cfg, cfg.attention_bias)
 
 
 class Backbone(nn.Module):
@@ -152,15 +116,13 @@ class HybridLM(nn.Module):
           - on the CPU, every linear weight and the embedding stored transposed, (in, out) in memory: for the few
             rows of a decode step torch's CPU GEMM streams that layout about 1.5x faster than (out, in)
             (docs/BENCHMARKS.md, "The compiled step"). The tensors keep their (out, in) shape."""
-        for m in self.modules():
+        cpu = self.model.embed_tokens.weight.device.type == "cpu"
+        for m in self.modules():  # on the CPU the embedding too: it is the tied head, and gathers strided rows fine
             if isinstance(m, Attention):
                 m.fuse_qkv()
-        if self.model.embed_tokens.weight.device.type == "cpu":
-            for m in self.modules():  # the embedding too: it is the tied head, and gathers strided rows fine
-                if isinstance(m, (nn.Linear, nn.Embedding)):
-                    m.weight.data = in_major(m.weight.data)
-                if isinstance(m, Attention):
-                    m.qkv_weight = in_major(m.qkv_weight)
+                m.qkv_weight = in_major(m.qkv_weight) if cpu else m.qkv_weight
+            elif cpu and isinstance(m, (nn.Linear, nn.Embedding)):
+                m.weight.data = in_major(m.weight.data)
         return self
 
     # ---- pieces shared by every entry point ----------------------------------------------
@@ -172,14 +134,15 @@ class HybridLM(nn.Module):
         w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(y, w) / self.cfg.logits_scaling
 
-    def _stack(self, h, layers, final_norm: Norm | None, mix, write_tapped=None):
-        """Run decoder layers over the residual stream h (..., D); mix(i, layer, y) is the mixer, and
-        write_tapped(i, h), if given, sees the residual after layer i (a block drafter's context, DESIGN §13).
+    def _stack(self, h, layers, final_norm: Norm | None, mix, taps=(), tapped_out=None):
+        """Run decoder layers over the residual stream h (..., D); mix(i, layer, y) is the mixer. taps maps a layer
+        to a column block of tapped_out (..., nT*D), which receives the residual after that layer (a block drafter's
+        context, DESIGN §13).
 
         Each RMSNorm is fused with the residual add before it. Returns the final-normed y, or with
         final_norm None the residual h after the last layer (what the MTP head's callers want).
         """
-        eps, rm = self.cfg.rms_norm_eps, self.cfg.residual_multiplier
+        eps, rm, D = self.cfg.rms_norm_eps, self.cfg.residual_multiplier, self.cfg.hidden_size
         y, h = self.ops.rmsnorm(h, layers[0].input_layernorm.weight, eps)
         for i, layer in enumerate(layers):
             out = mix(i, layer, y)
@@ -188,18 +151,9 @@ class HybridLM(nn.Module):
             if nxt is None:
                 return h + rm * layer.shared_mlp(y)  # the residual add rmsnorm would do, no norm
             y, h = self.ops.rmsnorm(layer.shared_mlp(y), nxt.weight, eps, residual=h, multiplier=rm)
-            if write_tapped is not None:
-                write_tapped(i, h)
+            if i in taps:
+                tapped_out[..., taps[i] * D : (taps[i] + 1) * D] = h
         return y
-
-    def _tapped_writer(self, index: dict, out):
-        """write_tapped(i, h) for _stack: the residual after layer i into column block index[i] of out (..., nT*D)."""
-        D = self.cfg.hidden_size
-
-        def write_tapped(i, h):
-            if i in index:
-                out[..., index[i] * D : (index[i] + 1) * D] = h
-        return write_tapped if index else None
 
     def _mamba_out(self, m: Mamba, y, z):
         """y (..., H, P) from the scan, z (..., d_in) -> out_proj(norm(y * silu(z)))."""
@@ -214,12 +168,8 @@ class HybridLM(nn.Module):
     def _attend(self, attn: Attention, y, k_cache, v_cache, slot, seq_lens=None):
         """Attention through a KV cache: one prompt y (T, D) into slot `slot` (seq_lens None), or
         K rows y (B, K, D) per slot of slot ids (B,) at positions seq_lens[b] + j."""
-        q, k, v = attn.qkv(y)
-        args = (q, k, v, k_cache, v_cache, slot)
-        if seq_lens is None:
-            o = self.ops.attention_prefill(*args, self.cfg.attention_multiplier, self.cfg.rope)
-        else:
-            o = self.ops.attention_verify(*args, seq_lens, self.cfg.attention_multiplier, self.cfg.rope)
+        op, lens = (self.ops.attention_prefill, ()) if seq_lens is None else (self.ops.attention_verify, (seq_lens,))
+        o = op(*attn.qkv(y), k_cache, v_cache, slot, *lens, self.cfg.attention_multiplier, self.cfg.rope)
         return attn.o_proj(o.flatten(-2))
 
     # ---- 1. the no-cache reference -----------------------------------------------------
@@ -240,9 +190,8 @@ class HybridLM(nn.Module):
                 return self._mamba_out(layer.mamba, ys, z)
             return self._attend_nocache(layer.self_attn, y, pos)
 
-        write = None if tapped_out is None else self._tapped_writer({layer: i for i, layer in enumerate(taps)},
-                                                                    tapped_out)
-        return self._stack(self.embed(ids), self.model.layers, self.model.norm, mix, write)
+        return self._stack(self.embed(ids), self.model.layers, self.model.norm, mix,
+                           {layer: i for i, layer in enumerate(taps)}, tapped_out)
 
     def _attend_nocache(self, attn: Attention, y, pos):
         """Causal attention over y (B, T, D) with torch's SDPA: an oracle independent of the kernels."""
@@ -261,22 +210,21 @@ class HybridLM(nn.Module):
             if layer.kind == "mamba":
                 m = cache.mamba_index[i]
                 z, xBC, dt = layer.mamba.split(y)
-                ys, ssm, window = self._scan(layer.mamba, xBC, dt)
-                cache.ssm_state[m, slot] = ssm
-                cache.conv_state[m, slot] = window
+                ys, cache.ssm_state[m, slot], cache.conv_state[m, slot] = self._scan(layer.mamba, xBC, dt)
                 return self._mamba_out(layer.mamba, ys, z)
             a = cache.attn_index[i]
             return self._attend(layer.self_attn, y, cache.k[a], cache.v[a], slot)
 
-        write = None if tapped_out is None else self._tapped_writer(cache.tap_index, tapped_out)
-        return self._stack(self.embed(ids), self.model.layers, self.model.norm, mix, write)
+        taps = cache.tap_index if tapped_out is not None else ()
+        return self._stack(self.embed(ids), self.model.layers, self.model.norm, mix, taps, tapped_out)
 
     # ---- 3. verify: B slots x K rows -----------------------------------------------------------
     def verify(self, ids, slot_ids, seq_lens, cache: HybridCache, kv_len: int | None = None):
         """ids (B, K) at positions seq_lens[b] + j of slots slot_ids (B,) -> logits (B, K, V).
 
-        Advances every Mamba layer's live state through all K rows and writes ssm_stash, conv_stash,
-        hidden_stash and, for a block drafter, tap_stash (docs/DESIGN.md §3). kv_len, if given, bounds the KV rows read (>= max(seq_lens) + K).
+        Advances every Mamba layer's live state through all K rows and writes ssm_stash, conv_stash, hidden_stash
+        and, for a block drafter, tap_stash (docs/DESIGN.md §3). kv_len, if given, bounds the KV rows read
+        (>= max(seq_lens) + K).
         """
         B, K = ids.shape
         ssm_stash, conv_stash = cache.ssm_stash(B, K), cache.conv_stash(B, K)
@@ -293,18 +241,20 @@ class HybridLM(nn.Module):
             a = cache.attn_index[i]
             return self._attend(layer.self_attn, y, cache.k[a, :, kv], cache.v[a, :, kv], slot_ids, seq_lens)
 
-        write = self._tapped_writer(cache.tap_index, cache.tap_stash(B, K))
-        y = self._stack(self.embed(ids), self.model.layers, self.model.norm, mix, write)
+        y = self._stack(self.embed(ids), self.model.layers, self.model.norm, mix, cache.tap_index,
+                        cache.tap_stash(B, K))
         cache.hidden_stash(B, K).copy_(y)
         return self.logits(y)
 
     # ---- 4. the MTP draft head -----------------------------------------------------------------
-    def _mtp_input(self, next_ids, h):
-        """m = eh_proj([enorm(embed(x_{p+1})) | hnorm(h_p)]) for next_ids (...), h (..., D)."""
+    def _mtp(self, next_ids, h, attend):
+        """The head's layer over m = eh_proj([enorm(embed(x_{p+1})) | hnorm(h_p)]) for next_ids (...), h (..., D),
+        attend(attn, y) its attention -> o (..., D)."""
         eps, mtp = self.cfg.rms_norm_eps, self.mtp
         e = self.ops.rmsnorm(self.model.embed_tokens(next_ids), mtp.enorm.weight, eps)[0]
         hn = self.ops.rmsnorm(h, mtp.hnorm.weight, eps)[0]
-        return mtp.eh_proj(torch.cat([e, hn], dim=-1))
+        return self._stack(mtp.eh_proj(torch.cat([e, hn], dim=-1)), [mtp.layer], None,
+                           lambda i, layer, y: attend(layer.self_attn, y))
 
     def mtp_logits(self, o):
         """MTP layer output o (..., D) (before its norm) -> draft logits (..., V)."""
@@ -313,14 +263,12 @@ class HybridLM(nn.Module):
     def mtp_hidden(self, next_ids, h):
         """No-cache reference over positions 0..T-1: next_ids (B, T), h (B, T, D) -> o (B, T, D)."""
         pos = torch.arange(next_ids.shape[1], device=next_ids.device)
-        mix = lambda i, layer, y: self._attend_nocache(layer.self_attn, y, pos)  # noqa: E731
-        return self._stack(self._mtp_input(next_ids, h), [self.mtp.layer], None, mix)
+        return self._mtp(next_ids, h, lambda attn, y: self._attend_nocache(attn, y, pos))
 
     def mtp_prefill(self, next_ids, h, slot: int, k_cache, v_cache):
         """Catch-up over a prompt's rows 0..T-1: next_ids (T,), h (T, D) -> o (T, D); writes the MTP KV rows
         0..T-1 of slot `slot` in k_cache, v_cache (S, L, Hkv, Dh)."""
-        mix = lambda i, layer, y: self._attend(layer.self_attn, y, k_cache, v_cache, slot)  # noqa: E731
-        return self._stack(self._mtp_input(next_ids, h), [self.mtp.layer], None, mix)
+        return self._mtp(next_ids, h, lambda attn, y: self._attend(attn, y, k_cache, v_cache, slot))
 
     def mtp_forward(self, next_ids, h, slot_ids, positions, k_cache, v_cache, kv_len: int | None = None):
         """R rows per sequence at MTP positions positions[b] + r: next_ids (B, R), h (B, R, D) -> o (B, R, D).
@@ -328,31 +276,8 @@ class HybridLM(nn.Module):
         Catch-up after a verify (R = K) and each recursive draft step (R = 1).
         """
         kv = slice(None, kv_len)
-        mix = lambda i, layer, y: self._attend(layer.self_attn, y, k_cache[:, kv], v_cache[:, kv],  # noqa: E731
-                                               slot_ids, positions)
-        return self._stack(self._mtp_input(next_ids, h), [self.mtp.layer], None, mix)
-
-    # ---- initialisation for models trained from scratch ----------------------------------------
-    @torch.no_grad()
-    def init_weights(self, std: float = 0.02, seed: int | None = None):
-        """Random weights: normal linears/embeddings, unit norms, Mamba2's A, D and dt initialisation."""
-        g = torch.Generator().manual_seed(seed) if seed is not None else None
-        for name, p in self.named_parameters():
-            leaf = name.rsplit(".", 1)[-1]
-            if name.endswith("norm.weight") or leaf == "D":
-                p.fill_(1.0)
-            elif leaf == "A_log":
-                p.copy_(torch.log(torch.empty(p.shape).uniform_(1, 16, generator=g)))
-            elif leaf == "dt_bias":  # dt ~ log-uniform(1e-3, 1e-1), stored as softplus^-1(dt)
-                dt = torch.exp(torch.empty(p.shape).uniform_(math.log(1e-3), math.log(1e-1), generator=g))
-                p.copy_(dt + torch.log(-torch.expm1(-dt)))
-            elif leaf == "bias":
-                p.zero_()
-            elif "conv1d" in name:
-                p.copy_(torch.empty(p.shape).uniform_(-1, 1, generator=g) / math.sqrt(p.shape[-1]))
-            else:
-                p.copy_(torch.empty(p.shape).normal_(0, std, generator=g))
-        return self
+        return self._mtp(next_ids, h, lambda attn, y: self._attend(attn, y, k_cache[:, kv], v_cache[:, kv], slot_ids,
+                                                                   positions))
 
 
 def load_model(path, device="cpu", dtype=torch.float32, backend: str = "torch") -> HybridLM:
@@ -363,9 +288,5 @@ def load_model(path, device="cpu", dtype=torch.float32, backend: str = "torch") 
     if dtype not in FLOAT_DTYPES:
         raise ValueError(f"dtype: {dtype} is not one of {FLOAT_DTYPES}")
     cfg = ModelConfig.from_file(path / "config.json")
-    stored = tensor_index(path)
-    with torch.device("meta"):
-        model = HybridLM(cfg, Ops(backend))
-    if cfg.tie_word_embeddings:
-        stored.pop("lm_head.weight", None)  # some writers store the tied head too; it is the embedding
-    return load_tensors(model, path, stored, device, dtype)
+    tied = ("lm_head.weight",) if cfg.tie_word_embeddings else ()  # some writers store the tied head too: the embedding
+    return load_tensors(lambda: HybridLM(cfg, Ops(backend)), path, device, dtype, skip=tied)

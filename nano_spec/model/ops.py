@@ -10,33 +10,25 @@ Triton is optional: without it (macOS, Windows) the kernel modules still import
 (nano_spec_kernels.common stands in for triton), so the torch backend works and
 `Ops("triton")` is refused with a ValueError.
 """
+import importlib
+
 import torch
-import torch.nn as nn
 
 from nano_spec.model.ssd import mamba_scan_chunked
-from nano_spec_kernels import (attention_prefill, attention_verify, commit_state, gated_rmsnorm, gather_rows,
-                               mamba_scan, mamba_verify, rmsnorm, verdict_greedy, verdict_sample)
 from nano_spec_kernels.common import HAS_TRITON
+from nano_spec_kernels.mamba_scan import mamba_scan_ref
 
-# the attributes of Ops
+# the attributes of Ops, each bound from the kernel module of its name
 OP_NAMES = ("rmsnorm", "gated_rmsnorm", "mamba_scan", "mamba_verify", "commit_state", "attention_prefill",
             "attention_verify", "attention_block", "gather_rows", "verdict_greedy", "verdict_sample")
+MODULE_OF = {"attention_block": "attention_verify"}  # an op that lives in another op's module
 BACKENDS = ("auto", "torch", "triton")
 CHUNKED_FROM = 16  # below this many tokens the recurrence is the cheaper of the two on a CPU
 
 
-class Norm(nn.Module):
-    """Holds an RMSNorm weight; the math is ops.rmsnorm / ops.gated_rmsnorm (here, so the DFlash drafter's network
-    uses it without the target's model module)."""
-
-    def __init__(self, dim: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-
-
 def torch_prefill_scan(xBC, dt, *args):
     """mamba_scan_ref's contract; equal to fp32 rounding (tests/test_train.py)."""
-    return (mamba_scan_chunked if xBC.shape[0] >= CHUNKED_FROM else mamba_scan.mamba_scan_ref)(xBC, dt, *args)
+    return (mamba_scan_chunked if xBC.shape[0] >= CHUNKED_FROM else mamba_scan_ref)(xBC, dt, *args)
 
 
 def resolve_backend(backend: str, device: torch.device | str) -> str:
@@ -57,19 +49,11 @@ class Ops:
         if backend == "triton" and not HAS_TRITON:
             raise ValueError("backend: 'triton' needs the triton package (Linux only); use backend='torch'")
         self.backend = backend
-        triton = backend == "triton"
-        pick = lambda launcher, reference: launcher if triton else reference  # noqa: E731
-        self.rmsnorm = pick(rmsnorm.rmsnorm, rmsnorm.rmsnorm_ref)
-        self.gated_rmsnorm = pick(gated_rmsnorm.gated_rmsnorm, gated_rmsnorm.gated_rmsnorm_ref)
-        self.mamba_scan = pick(mamba_scan.mamba_scan, torch_prefill_scan)
-        self.mamba_verify = pick(mamba_verify.mamba_verify, mamba_verify.mamba_verify_ref)
-        self.commit_state = pick(commit_state.commit_state, commit_state.commit_state_ref)
-        self.attention_prefill = pick(attention_prefill.attention_prefill, attention_prefill.attention_prefill_ref)
-        self.attention_verify = pick(attention_verify.attention_verify, attention_verify.attention_verify_ref)
-        self.attention_block = pick(attention_verify.attention_block, attention_verify.attention_block_ref)
-        self.gather_rows = pick(gather_rows.gather_rows, gather_rows.gather_rows_ref)
-        self.verdict_greedy = pick(verdict_greedy.verdict_greedy, verdict_greedy.verdict_greedy_ref)
-        self.verdict_sample = pick(verdict_sample.verdict_sample, verdict_sample.verdict_sample_ref)
+        for name in OP_NAMES:
+            module = importlib.import_module(f"nano_spec_kernels.{MODULE_OF.get(name, name)}")
+            setattr(self, name, getattr(module, name if backend == "triton" else f"{name}_ref"))
+        if backend == "torch":
+            self.mamba_scan = torch_prefill_scan
 
     def __repr__(self):
         return f"Ops({self.backend!r})"

@@ -4,14 +4,13 @@ Greedy rows (temperature 0) use the verdict_greedy kernel; sampled rows use the 
 rejection rule of verdict_sample. Both stay on the device: the accept rule returns
 tensors, and the runner copies them to the host once per step.
 """
-import math
 from dataclasses import dataclass
 
 import torch
 
 from nano_spec_kernels.verdict_greedy import unpack_bitmask
 from nano_spec_kernels.verdict_sample import sampling_probs_ref
-from nano_spec.model.config import is_int
+from nano_spec.model.config import check_rules, is_finite, is_int
 
 
 @dataclass(frozen=True)
@@ -32,13 +31,12 @@ class SamplingParams:
     def __post_init__(self):
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
-        num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731 (True is no number)
         t, ids = self.temperature, self.stop_token_ids
         rules = (  # field, valid, what it must be
             ("max_new_tokens", is_int(self.max_new_tokens, 1), "an integer >= 1"),
-            ("temperature", num(t) and math.isfinite(t) and t >= 0, "a finite number >= 0"),
+            ("temperature", is_finite(t) and t >= 0, "a finite number >= 0"),  # True is no number
             ("top_k", is_int(self.top_k, 0, 2**31 - 1), "an integer in [0, 2**31 - 1]"),  # 2**63 overflowed int64
-            ("top_p", num(self.top_p) and 0 < self.top_p <= 1, "a number in (0, 1]"),
+            ("top_p", is_finite(self.top_p) and 0 < self.top_p <= 1, "a number in (0, 1]"),
             ("seed", self.seed is None or is_int(self.seed, 0, 2**64 - 1), "None or an integer in [0, 2**64)"),
             ("stop", isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) and s for s in self.stop),
              "a string or a list of non-empty strings"),
@@ -51,9 +49,8 @@ class SamplingParams:
             ("regex", self.regex is None or isinstance(self.regex, str), "None or a string"),
             ("grammar", self.grammar is None or isinstance(self.grammar, str), "None or a Lark grammar string"),
         )
-        for name, valid, what in rules:
-            if not valid:
-                raise ValueError(f"SamplingParams.{name}: must be {what}, got {getattr(self, name)!r}")
+        check_rules((valid, f"SamplingParams.{name}: must be {what}, got {getattr(self, name)!r}")
+                    for name, valid, what in rules)
         given = [f for f in ("json_schema", "regex", "grammar") if getattr(self, f) is not None]
         if len(given) > 1:
             raise ValueError(f"SamplingParams.{given[1]}: {' and '.join(given)} given; use at most one of "

@@ -10,6 +10,7 @@ model's parameters, in the target dtype and on the target device, so the peak me
 is the model plus its largest stored tensor (not the checkpoint plus a converted copy).
 """
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -98,9 +99,11 @@ def stored_dtype(path) -> torch.dtype:
     return STORED_DTYPES[max(count, key=count.get)] if count else torch.float32
 
 
-def load_tensors(module, path: Path, stored: dict, device, dtype):
-    """Fill a module built on the meta device from the tensors of tensor_index(path), strictly: every
-    parameter exactly once with its shape, nothing else."""
+def load_tensors(build, path, device, dtype, skip=()):
+    """build() on the meta device, filled (strictly) from the tensors of tensor_index(path) but those in skip."""
+    stored = {n: t for n, t in tensor_index(path).items() if n not in skip}
+    with torch.device("meta"):
+        module = build()
     expected = {n: tuple(p.shape) for n, p in module.state_dict().items()}
     problems = {
         "missing": set(expected) - set(stored),
@@ -119,6 +122,29 @@ def load_tensors(module, path: Path, stored: dict, device, dtype):
         for name, (shard, _, _) in stored.items():
             params[name].copy_(_use(shard, lambda f: f.get_tensor(name)))  # dtype and device in one
     return module.eval()
+
+
+@torch.no_grad()
+def init_weights(model, std: float = 0.02, seed: int | None = None):
+    """Random weights for a model trained from scratch (a HybridLM or a drafter), in place: normal linears and
+    embeddings, unit norms, Mamba2's A, D and dt initialisation. Returns the model."""
+    g = torch.Generator().manual_seed(seed) if seed is not None else None
+    for name, p in model.named_parameters():
+        leaf = name.rsplit(".", 1)[-1]
+        if name.endswith("norm.weight") or leaf == "D":
+            p.fill_(1.0)
+        elif leaf == "A_log":
+            p.copy_(torch.log(torch.empty(p.shape).uniform_(1, 16, generator=g)))
+        elif leaf == "dt_bias":  # dt ~ log-uniform(1e-3, 1e-1), stored as softplus^-1(dt)
+            dt = torch.exp(torch.empty(p.shape).uniform_(math.log(1e-3), math.log(1e-1), generator=g))
+            p.copy_(dt + torch.log(-torch.expm1(-dt)))
+        elif leaf == "bias":
+            p.zero_()
+        elif "conv1d" in name:
+            p.copy_(torch.empty(p.shape).uniform_(-1, 1, generator=g) / math.sqrt(p.shape[-1]))
+        else:
+            p.copy_(torch.empty(p.shape).normal_(0, std, generator=g))
+    return model
 
 
 def write_model(model, directory):

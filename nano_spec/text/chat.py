@@ -21,7 +21,6 @@ def conversation(messages, where: str = "messages") -> list:
     if not isinstance(messages, (list, tuple)) or not messages:
         got = "an empty list" if isinstance(messages, (list, tuple)) else type(messages).__name__
         raise ValueError(f"{where}: expected a non-empty list of {{'role': ..., 'content': ...}} dicts, got {got}")
-    out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise ValueError(f"{where}[{i}]: expected a dict with 'role' and 'content', got {type(m).__name__}")
@@ -31,8 +30,7 @@ def conversation(messages, where: str = "messages") -> list:
         extra = sorted(map(str, set(m) - {"role", "content"}))
         if extra:
             raise ValueError(f"{where}[{i}]: unsupported key(s) {', '.join(extra)}; a message has 'role' and 'content'")
-        out.append({"role": m["role"], "content": m["content"]})
-    return out
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
 def conversations(messages) -> tuple:
@@ -45,12 +43,10 @@ def conversations(messages) -> tuple:
 
 class ChatTemplate:
     def __init__(self, path):
-        path = Path(path)
+        self.path = path = Path(path)
         config = tokenizer_config(path)
-        self.path = path
         self.source, self.file = _template_source(path, config)
-        self.variables = {k: special_token(config.get(k)) for k in SPECIAL_TOKENS
-                          if special_token(config.get(k)) is not None}
+        self.variables = {k: v for k in SPECIAL_TOKENS if (v := special_token(config.get(k))) is not None}
         self._compiled = None
 
     def render(self, messages: list) -> str:

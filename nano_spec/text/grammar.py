@@ -11,17 +11,29 @@ masks and roll back (`DraftMasks`), so the matcher is never left ahead.
 """
 import json
 import time
+from contextlib import closing
 from pathlib import Path
 
 import llguidance
 import torch
 
-FIELDS = ("json_schema", "regex", "grammar")  # the SamplingParams fields that constrain, at most one set
 DEAD_END = ("NoExtension", "NoExtensionBias")  # llguidance's stop reasons when nothing can follow
 # JSON without whitespace between tokens unless the schema's own "x-guidance" says otherwise (its keys win, one by
 # one): in llguidance's default, any run of whitespace anywhere, a small model emits newlines until max_new_tokens
 # (DESIGN §11)
 JSON_DEFAULTS = {"whitespace_flexible": False}
+
+
+def json_grammar(schema) -> str:
+    """llguidance's grammar of a JSON schema with JSON_DEFAULTS; the schema true is {} (any JSON value), so that
+    the defaults, which llguidance applies to an object only, hold for it too."""
+    schema = {} if schema is True else schema
+    return llguidance.LLMatcher.grammar_from_json_schema(schema, JSON_DEFAULTS if isinstance(schema, dict) else None)
+
+
+# the SamplingParams fields that constrain (at most one set) -> llguidance's grammar of a value
+GRAMMAR_OF = {"json_schema": json_grammar, "regex": llguidance.LLMatcher.grammar_from_regex,
+              "grammar": llguidance.LLMatcher.grammar_from_lark}
 
 
 def one_line(message: str) -> str:
@@ -73,15 +85,13 @@ class Constraint:
 
 
 class DraftMasks:
-    """Masks of R rows after drafts pushed one position at a time: row r is masked by its constraint's state
-    after the drafts pushed so far. `num` is the drafts each row may push: `num` if given (the real drafts of a
-    verify), else γ, cut where a row's matcher refuses a draft. Rows past their `num`, and rows without a
+    """Masks of R rows after drafts pushed one position at a time, row r under its constraint's state after the
+    drafts pushed so far. `num`: the drafts each row may push (γ, or the real drafts of a verify), cut at a row's
+    first refused draft, so a row has pushed min(num, pos). Rows past their `num`, and rows without a
     constraint, get all ones: nothing they pick there is kept, so no mask is computed. `close()` rolls back."""
 
-    def __init__(self, constraints: list, gamma: int, device, num: list | None = None):
-        self.cons, self.device = constraints, device
-        self.num = list(num) if num is not None else [gamma] * len(constraints)
-        self.pushed = [0] * len(constraints)
+    def __init__(self, constraints: list, num: list, device):
+        self.cons, self.num, self.device = constraints, list(num), device
         self.pos = 0  # positions pushed so far
         self.on = any(c is not None for c in constraints)
 
@@ -102,31 +112,25 @@ class DraftMasks:
             return
         self.pos = i + 1
         for r, (c, t) in enumerate(zip(self.cons, tokens.tolist())):
-            if c is not None and self.num[r] > i:
-                if c.push(t):
-                    self.pushed[r] += 1
-                else:
-                    self.num[r] = i
+            if c is not None and self.num[r] > i and not c.push(t):
+                self.num[r] = i
 
     def close(self):
-        for c, n in zip(self.cons, self.pushed):
-            if n:
-                c.rollback(n)
-        self.pushed = [0] * len(self.cons)
+        for c, n in zip(self.cons, self.num):
+            if c is not None:
+                c.rollback(min(n, self.pos))
+        self.pos = 0
 
 
 def verify_bitmask(constraints: list, drafts: torch.Tensor, nd: torch.Tensor) -> torch.Tensor:
     """(B, K, W) int32 on the drafts' device: row j of a constrained sequence is the mask after its drafts[:j]
     rows past its real drafts, and every row of a free sequence, allow everything. drafts (B, γ), nd (B,)."""
     host = torch.cat([nd[:, None], drafts], 1).cpu()  # one copy to the host
-    masks = DraftMasks(constraints, drafts.shape[1], "cpu", host[:, 0].tolist())
-    try:
+    with closing(DraftMasks(constraints, host[:, 0].tolist(), "cpu")) as masks:
         rows = [masks.mask()]
         for j in range(drafts.shape[1]):
             masks.push(host[:, 1 + j], j)
             rows.append(masks.mask())
-    finally:
-        masks.close()
     return torch.stack(rows, 1).to(drafts.device)
 
 
@@ -143,7 +147,7 @@ class Grammars:
     def constraint(self, params) -> Constraint | None:
         """The request's Constraint, or None when it has no grammar. An invalid grammar, or one that no text
         satisfies, is a ValueError naming the field (quoting llguidance where it found the problem)."""
-        field = next((f for f in FIELDS if getattr(params, f) is not None), None)
+        field = next((f for f in GRAMMAR_OF if getattr(params, f) is not None), None)
         if field is None:
             return None
         value = getattr(params, field)
@@ -162,7 +166,8 @@ class Grammars:
                 except json.JSONDecodeError as e:
                     raise ValueError(f"SamplingParams.json_schema: invalid (not JSON: {e})") from None
             regexes = [value] if field == "regex" else list(schema_patterns(value)) if field == "json_schema" else []
-            if any(map(lone_backslash, regexes)):  # llguidance would drop it and match without it
+            # an odd run of backslashes at the end escapes nothing: llguidance would drop it and match without it
+            if any((len(r) - len(r.rstrip("\\"))) % 2 for r in regexes):
                 raise ValueError(f"SamplingParams.{field}: a regex ends in a lone backslash (write \\\\ for a "
                                  "backslash)")
             matcher = self._compile(field, value)
@@ -176,9 +181,7 @@ class Grammars:
 
     def _compile(self, field: str, value) -> llguidance.LLMatcher:
         try:
-            g = {"json_schema": json_grammar,
-                 "regex": llguidance.LLMatcher.grammar_from_regex,
-                 "grammar": llguidance.LLMatcher.grammar_from_lark}[field](value)
+            g = GRAMMAR_OF[field](value)
         except (ValueError, TypeError) as e:
             raise ValueError(f"SamplingParams.{field}: invalid ({one_line(str(e))})") from None
         err = llguidance.LLMatcher.validate_grammar(g, self.tok)
@@ -204,28 +207,13 @@ class Grammars:
             raise ValueError(f"SamplingParams.{field}: {what} (llguidance: {err})")
 
 
-def json_grammar(schema) -> str:
-    """llguidance's grammar of a JSON schema with JSON_DEFAULTS; the schema true is {} (any JSON value), so that
-    the defaults, which llguidance applies to an object only, hold for it too."""
-    schema = {} if schema is True else schema
-    return llguidance.LLMatcher.grammar_from_json_schema(schema, JSON_DEFAULTS if isinstance(schema, dict) else None)
-
-
-def lone_backslash(regex: str) -> bool:
-    """An odd run of backslashes at the end: the last one escapes nothing."""
-    return (len(regex) - len(regex.rstrip("\\"))) % 2 == 1
-
-
 def schema_patterns(schema):
     """The regexes of a JSON schema: "pattern" values and "patternProperties" keys (not inside data)."""
-    if isinstance(schema, list):
-        for v in schema:
+    items = schema.items() if isinstance(schema, dict) else enumerate(schema) if isinstance(schema, list) else ()
+    for k, v in items:  # a list's keys are ints: never a keyword
+        if k == "pattern" and isinstance(v, str):
+            yield v
+        elif k == "patternProperties" and isinstance(v, dict):
+            yield from v
+        if k not in ("const", "enum", "default", "examples"):
             yield from schema_patterns(v)
-    elif isinstance(schema, dict):
-        for k, v in schema.items():
-            if k == "pattern" and isinstance(v, str):
-                yield v
-            elif k == "patternProperties" and isinstance(v, dict):
-                yield from v
-            if k not in ("const", "enum", "default", "examples"):
-                yield from schema_patterns(v)

@@ -9,10 +9,6 @@ from tokenizers import decoders
 from nano_spec.model.config import ModelConfig
 
 
-class TokenizerError(ValueError):
-    pass
-
-
 def tokenizer_config(path) -> dict:
     """A checkpoint's tokenizer_config.json ({} when there is none): special tokens and the chat template."""
     file = Path(path) / "tokenizer_config.json"
@@ -21,9 +17,9 @@ def tokenizer_config(path) -> dict:
     try:
         config = json.loads(file.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise TokenizerError(f"{file}: not valid JSON ({e})") from None
+        raise ValueError(f"{file}: not valid JSON ({e})") from None
     if not isinstance(config, dict):
-        raise TokenizerError(f"{file}: must hold a JSON object")
+        raise ValueError(f"{file}: must hold a JSON object")
     return config
 
 
@@ -38,14 +34,14 @@ class Tokenizer:
     def __init__(self, path, cfg: ModelConfig):
         file = Path(path) / "tokenizer.json"
         if not file.is_file():
-            raise TokenizerError(f"{Path(path)}: no tokenizer.json")
+            raise ValueError(f"{Path(path)}: no tokenizer.json")
         try:
             self._tok = _HFTokenizer.from_file(str(file))
         except Exception as e:  # tokenizers raises a bare Exception on a malformed file
-            raise TokenizerError(f"{file}: cannot be read as a tokenizers file ({e})") from None
+            raise ValueError(f"{file}: cannot be read as a tokenizers file ({e})") from None
         self._added, self._bytes = set(self._tok.get_added_tokens_decoder()), {}  # token_bytes: id -> bytes
         if self._tok.get_vocab_size() > cfg.vocab_size:
-            raise TokenizerError(f"{file}: {self._tok.get_vocab_size()} tokens but the model has "
+            raise ValueError(f"{file}: {self._tok.get_vocab_size()} tokens but the model has "
                                  f"vocab_size {cfg.vocab_size}")
         # an instruct model ends its turn with the tokenizer's EOS (the chat template's end token), which
         # config.json need not list; a name that is no token of tokenizer.json is ignored
@@ -68,7 +64,6 @@ class Tokenizer:
         a tokenizer of another kind, whose tokens are not byte strings."""
         if not isinstance(self._tok.decoder, decoders.ByteLevel):
             return None
-        out = bytearray()
         for i in ids:
             if i not in self._bytes:
                 piece = self._tok.id_to_token(i) or ""
@@ -78,8 +73,7 @@ class Tokenizer:
                     self._bytes[i] = bytes(UNICODE_TO_BYTE[c] for c in piece)
                 else:
                     return None
-            out += self._bytes[i]
-        return bytes(out)
+        return b"".join(self._bytes[i] for i in ids)
 
 
 def _unicode_to_byte() -> dict:
@@ -91,13 +85,6 @@ def _unicode_to_byte() -> dict:
 
 
 UNICODE_TO_BYTE = _unicode_to_byte()
-
-
-def ends_inside_a_character(data: bytes) -> bool:
-    """Whether the bytes end in the beginning of a UTF-8 character that more bytes could still complete."""
-    decoder = codecs.getincrementaldecoder("utf-8")("replace")
-    decoder.decode(data[-4:], final=False)  # a character is at most 4 bytes; invalid bytes are replaced, not kept
-    return bool(decoder.getstate()[0])
 
 
 class IncrementalDecoder:
@@ -126,9 +113,13 @@ class IncrementalDecoder:
         return new
 
     def _unfinished(self) -> bool:
-        """The decoded window ends in U+FFFD: an unfinished character, or a real one?"""
+        """The decoded window ends in U+FFFD: the start of a UTF-8 character more bytes could finish, or a real one?"""
         data = self.tok.token_bytes(self.ids[self.start :])
-        return True if data is None else ends_inside_a_character(data)  # not byte-level: wait, as before
+        if data is None:  # not byte-level: wait, as before
+            return True
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        decoder.decode(data[-4:], final=False)  # a character is at most 4 bytes; invalid bytes are replaced, not kept
+        return bool(decoder.getstate()[0])
 
     def full_text(self) -> str:
         before = self.tok.decode(self.ids[self.start : self.done])
