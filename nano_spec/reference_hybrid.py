@@ -19,12 +19,12 @@ def mamba_rows(model, m, u, conv, ssm):
     cfg, K, W1 = model.cfg, u.shape[0], conv.shape[1]
     z, xBC, dt = m.split(u)  # (K, d_in), (K, C), (K, H)
     window = torch.cat([conv, xBC.t()], dim=1)  # (C, W-1+K): the W-1 older inputs, then the K new
-    x, B, C = split_xbc(conv_silu_ref(window, m.conv1d.weight[:, 0], m.conv1d.bias), cfg.mamba_n_heads,
+    x, B_g, C_g = split_xbc(conv_silu_ref(window, m.conv1d.weight[:, 0], m.conv1d.bias), cfg.mamba_n_heads,
                         cfg.mamba_d_head, cfg.mamba_n_groups)
     dt, A = mamba_dt_ref(dt, m.dt_bias, cfg.time_step_limit), -torch.exp(m.A_log.float())
     ys, ssms = [], []
     for j in range(K):  # the recurrence: row j's state is row j-1's, advanced by one token
-        ssm, y = ssm_step_ref(ssm, x[j], B[j], C[j], dt[j], A, m.D)
+        ssm, y = ssm_step_ref(ssm, x[j], B_g[j], C_g[j], dt[j], A, m.D)
         ys.append(y), ssms.append(ssm)
     y = torch.stack(ys).to(u.dtype).flatten(1)  # (K, d_in)
     out = m.out_proj(model.ops.gated_rmsnorm(y, z, m.norm.weight, cfg.d_inner // cfg.mamba_n_groups,

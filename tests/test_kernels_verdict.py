@@ -144,10 +144,10 @@ def _random_bitmask(Bsz, K, V, device, p_allowed=0.3, seed=0):
     gen = torch.Generator().manual_seed(seed)
     allowed = torch.rand(Bsz, K, V, generator=gen) < p_allowed
     allowed[..., int(torch.randint(V, (), generator=gen))] = True  # never an empty row
-    W = (V + 31) // 32
-    bits = torch.zeros(Bsz, K, W * 32, dtype=torch.int64)
+    Vw = (V + 31) // 32
+    bits = torch.zeros(Bsz, K, Vw * 32, dtype=torch.int64)
     bits[..., :V] = allowed.long()
-    words = (bits.view(Bsz, K, W, 32) << torch.arange(32)).sum(-1)  # (B, K, W) as unsigned 32-bit values
+    words = (bits.view(Bsz, K, Vw, 32) << torch.arange(32)).sum(-1)  # (B, K, Vw) as unsigned 32-bit values
     words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
     return words.to(device), allowed.to(device)
 

@@ -201,20 +201,20 @@ def conv_silu_ref(window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     return F.silu(out).transpose(-1, -2)
 
 
-def ssm_step_ref(state, x, B, C, dt, A, D):
+def ssm_step_ref(state, x, B_g, C_g, dt, A, D):
     """One token of the Mamba2 recurrence, per head h of group g = h // (H/G):
 
         S_h = exp(dt_h * A_h) * S_h + dt_h * (x_h outer B_g);   y_h = S_h @ C_g + D_h * x_h
 
-    state (..., H, P, N) fp32, x (..., H, P), B and C (..., G, N), dt (..., H) fp32, A and D (H,).
+    state (..., H, P, N) fp32, x (..., H, P), B_g and C_g (..., G, N), dt (..., H) fp32, A and D (H,).
     Returns (new state, y (..., H, P)), both fp32.
     """
     *lead, H, P, N = state.shape
-    G = B.shape[-2]
+    G = B_g.shape[-2]
     xf = x.float()
-    # heads viewed as (G, H/G) so B and C broadcast over the heads of their group without copies
-    Bg = B.float().reshape(*lead, G, 1, 1, N)
-    Cg = C.float().reshape(*lead, G, 1, N, 1)
+    # heads viewed as (G, H/G) so B_g and C_g broadcast over the heads of their group without copies
+    Bg = B_g.float().reshape(*lead, G, 1, 1, N)
+    Cg = C_g.float().reshape(*lead, G, 1, N, 1)
     decay = torch.exp(dt * A)[..., None, None]  # (..., H, 1, 1)
     upd = (dt[..., None] * xf).reshape(*lead, G, H // G, P, 1) * Bg  # (..., G, H/G, P, N)
     state = decay * state + upd.reshape(*lead, H, P, N)
@@ -241,7 +241,7 @@ def mamba_dt(x, dt_lo, dt_hi):
 
 @triton.jit
 def mamba_channels(i_h, o_p, o_n, H: tl.constexpr, P: tl.constexpr, N: tl.constexpr, G: tl.constexpr):
-    """xBC channels (x, B, C) of head i_h's dims o_p and of its group's state dims o_n, split_xbc's layout."""
+    """xBC channels (x, B_g, C_g) of head i_h's dims o_p and of its group's state dims o_n, split_xbc's layout."""
     i_g = i_h // (H // G)
     return i_h * P + o_p, H * P + i_g * N + o_n, H * P + G * N + i_g * N + o_n
 
@@ -305,9 +305,9 @@ def rope_inv_freq(head_dim: int, theta: float | None, device) -> torch.Tensor:
 
 
 def split_xbc(xbc: torch.Tensor, n_heads: int, head_dim: int, n_groups: int):
-    """(..., C) post-conv activations -> x (..., H, P), B (..., G, N), C (..., G, N)."""
+    """(..., C) post-conv activations -> x (..., H, P), B_g (..., G, N), C_g (..., G, N)."""
     d_in = n_heads * head_dim
     N = (xbc.shape[-1] - d_in) // (2 * n_groups)
-    x, B, C = xbc.split([d_in, n_groups * N, n_groups * N], dim=-1)
+    x, B_g, C_g = xbc.split([d_in, n_groups * N, n_groups * N], dim=-1)
     lead = xbc.shape[:-1]
-    return x.reshape(*lead, n_heads, head_dim), B.reshape(*lead, n_groups, N), C.reshape(*lead, n_groups, N)
+    return x.reshape(*lead, n_heads, head_dim), B_g.reshape(*lead, n_groups, N), C_g.reshape(*lead, n_groups, N)

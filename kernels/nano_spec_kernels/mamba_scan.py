@@ -4,7 +4,7 @@ from zero state. Per head h of group g, with a_t = dt_t A_h (a log decay, <= 0):
     S_t = exp(a_t) S_{t-1} + dt_t x_t B_t^T,    y_t = S_t C_t + D_h x_t        (recurrent form)
 
 One Triton kernel computes it in either of two forms, one program per (head, block of BLOCK_P head dims) computing
-its conv channels on the fly (x of its head, B and C of its group, which every head block of the group recomputes):
+its conv channels on the fly (x of its head, B_g and C_g of its group, which every head block of the group recomputes):
 
   recurrent (Q = 1): a loop over the T tokens, the (BLOCK_P, N) state in registers.
   chunked (SSD): tokens in chunks of Q. With cumulative log decays
@@ -42,13 +42,13 @@ def mamba_scan_ref(xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, n_groups:
     T, C = xBC.shape
     H, W = dt.shape[-1], conv_weight.shape[-1]
     window = torch.cat([xBC.new_zeros(C, W - 1), xBC.t()], dim=-1)  # (C, W-1+T)
-    x, B, Cm = split_xbc(conv_silu_ref(window, conv_weight, conv_bias), H, head_dim, n_groups)
+    x, B_g, C_g = split_xbc(conv_silu_ref(window, conv_weight, conv_bias), H, head_dim, n_groups)
     dt = mamba_dt_ref(dt, dt_bias, dt_limit)  # (T, H)
     A = -torch.exp(A_log.float())
-    state = torch.zeros(H, head_dim, B.shape[-1], dtype=torch.float32, device=xBC.device)
+    state = torch.zeros(H, head_dim, B_g.shape[-1], dtype=torch.float32, device=xBC.device)
     ys = []
     for t in range(T):
-        state, y = ssm_step_ref(state, x[t], B[t], Cm[t], dt[t], A, D)
+        state, y = ssm_step_ref(state, x[t], B_g[t], C_g[t], dt[t], A, D)
         ys.append(y)
     return torch.stack(ys).to(xBC.dtype), state, window[:, T:].clone()
 
@@ -92,7 +92,7 @@ def _mamba_scan_kernel(
     o_p = i_p * BLOCK_P + tl.arange(0, BLOCK_P)
     o_n = tl.arange(0, BLOCK_N)
     m_p, m_n = o_p < P, o_n < N
-    o_cx, o_cb, o_cc = mamba_channels(i_h, o_p, o_n, H, P, N, G)  # conv channels: x of head h, B and C of group g
+    o_cx, o_cb, o_cc = mamba_channels(i_h, o_p, o_n, H, P, N, G)  # conv channels: x of head h, B_g and C_g of group g
 
     if Q == 1:
         o_w = tl.arange(0, BLOCK_W)  # conv filter positions, BLOCK_W >= W here
@@ -129,7 +129,7 @@ def _mamba_scan_kernel(
         for t0 in range(0, T, Q):
             o_t = t0 + o_q
             m_t = o_t < T
-            # x (Q, BLOCK_P), B and C (Q, BLOCK_N)
+            # x (Q, BLOCK_P), B_g and C_g (Q, BLOCK_N)
             b_x = _conv_silu_tokens(p_xbc, p_conv_w, p_conv_b, stride_t, o_t, m_t, o_cx, m_p, W, HAS_BIAS)
             b_B = _conv_silu_tokens(p_xbc, p_conv_w, p_conv_b, stride_t, o_t, m_t, o_cb, m_n, W, HAS_BIAS)
             b_C = _conv_silu_tokens(p_xbc, p_conv_w, p_conv_b, stride_t, o_t, m_t, o_cc, m_n, W, HAS_BIAS)
@@ -158,7 +158,7 @@ def _mamba_scan_kernel(
             b_s = tl.exp(b_alast) * b_s + tl.dot(tl.trans(b_xw), b_B, input_precision="ieee")
 
     tl.store(p_state + (i_h * P + o_p[:, None]) * N + o_n[None, :], b_s, mask=m_p[:, None] & m_n[None, :])
-    # final window: x channels by their head block, B/C by the group's first head block
+    # final window: x channels by their head block, B_g/C_g by the group's first head block
     # (vector compare: the interpreter mis-types block mask & scalar bool)
     _store_conv_window(p_xbc, p_win, T, stride_t, o_cx, m_p, W - 1, BLOCK_W)
     m_own = m_n & ((o_n * 0 + (i_h % (H // G)) + i_p) == 0)

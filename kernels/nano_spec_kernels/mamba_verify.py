@@ -2,7 +2,7 @@
 
 Per sequence b (slot s = slot_ids[b]), rows j = 0..K-1:
   1. window = [conv_state[s] | xBC[b, 0..K-1]]          (C, W-1+K)  -> conv_stash[b]
-  2. xbc_j = silu(conv1d(window[:, j .. j+W-1]) + bias); split into x, B, C
+  2. xbc_j = silu(conv1d(window[:, j .. j+W-1]) + bias); split into x, B_g, C_g
   3. dt_j = clamp(softplus(dt[b, j] + dt_bias), dt_limit)
   4. S = exp(dt_j A) S + dt_j x_j B_j^T -> ssm_stash[b, j];  y[b, j] = S C_j + D x_j
   5. live state: ssm_state[s] = S after row K-1, conv_state[s] = window[:, K:]
@@ -12,13 +12,13 @@ The Triton version is two launches:
 
   _mamba_verify_kernel, grid (B, H, cdiv(P, BLOCK_P)): one program owns the (BLOCK_P, N) tile of one head's
     state. It reads that tile once, keeps it in registers for the K rows, and computes its own conv channels
-    on the fly: the BLOCK_P x channels of its head and the N + N B/C channels of its group (B/C are shared by
+    on the fly: the BLOCK_P x channels of its head and the N + N B_g/C_g channels of its group (B_g/C_g are shared by
     the H/G heads of a group, so every head block recomputes them; that is a few hundred FLOPs per row,
     cheaper than another launch). It writes y, the K stash rows, the live state tile, and conv_stash for the
-    channels it owns (x channels by their head block, B/C channels by the first head block of the group), so
+    channels it owns (x channels by their head block, B_g/C_g channels by the first head block of the group), so
     every conv_stash channel is written once.
   _conv_window_kernel, grid (B, cdiv(C, BLOCK_C)): conv_state[s] = conv_stash[b, :, K:]. conv_state is updated
-    in place and the B/C channels of a group are read by every head block of that group; no program of the
+    in place and the B_g/C_g channels of a group are read by every head block of that group; no program of the
     first launch could know that all the others have read the old window, so the update comes after it.
 """
 import torch
@@ -44,19 +44,19 @@ def mamba_verify_ref(xBC, dt, conv_state, ssm_state, slot_ids, conv_weight, conv
     H, P = ssm_state.shape[1], ssm_state.shape[2]
     window = torch.cat([conv_state[slot_ids], xBC.transpose(1, 2).to(conv_state.dtype)], dim=-1)  # (B, C, W-1+K)
     conv_stash.copy_(window)
-    x, B, Cm = split_xbc(conv_silu_ref(window, conv_weight, conv_bias), H, P, n_groups)  # (B, K, ...)
+    x, B_g, C_g = split_xbc(conv_silu_ref(window, conv_weight, conv_bias), H, P, n_groups)  # (B, K, ...)
     dt = mamba_dt_ref(dt, dt_bias, dt_limit)  # (B, K, H)
     A = -torch.exp(A_log.float())
-    G, N = n_groups, B.shape[-1]
+    G, N = n_groups, B_g.shape[-1]
     xf = x.float()
     # the decays and rank-1 updates of all K rows at once; heads viewed as (G, H/G) so B and C broadcast
     decay = torch.exp(dt * A)[..., None, None]  # (B, K, H, 1, 1)
-    upd = ((dt[..., None] * xf).reshape(Bsz, K, G, H // G, P, 1) * B.float().reshape(Bsz, K, G, 1, 1, N))
+    upd = ((dt[..., None] * xf).reshape(Bsz, K, G, H // G, P, 1) * B_g.float().reshape(Bsz, K, G, 1, 1, N))
     upd = upd.reshape(Bsz, K, H, P, N)
     state = ssm_state[slot_ids].float()  # (B, H, P, N)
     for j in range(K):  # the one sequential part, two ops per row, straight into the stash
         state = torch.mul(decay[:, j], state, out=ssm_stash[:, j]).add_(upd[:, j])
-    y = (ssm_stash.reshape(Bsz, K, G, H // G, P, N) @ Cm.float().reshape(Bsz, K, G, 1, N, 1)).reshape(Bsz, K, H, P)
+    y = (ssm_stash.reshape(Bsz, K, G, H // G, P, N) @ C_g.float().reshape(Bsz, K, G, 1, N, 1)).reshape(Bsz, K, H, P)
     y = y + D.float()[:, None] * xf
     ssm_state[slot_ids] = state
     conv_state[slot_ids] = window[:, :, K:]
@@ -113,7 +113,8 @@ def _mamba_verify_kernel(
     o_n = tl.arange(0, BLOCK_N)
     o_w = tl.arange(0, BLOCK_W)
     m_p, m_n = o_p < P, o_n < N
-    o_cx, o_cb, o_cc = mamba_channels(i_h, o_p, o_n, H, P, N, G)  # conv channels: x of head i_h, B and C of its group
+    # conv channels: x of head i_h, B_g and C_g of its group
+    o_cx, o_cb, o_cc = mamba_channels(i_h, o_p, o_n, H, P, N, G)
 
     # conv weights (channels, W) and biases, loaded once for the K rows
     b_wx, b_bx = load_conv_weights(p_conv_w, p_conv_b, o_cx, m_p, o_w, W, HAS_BIAS)
@@ -144,7 +145,7 @@ def _mamba_verify_kernel(
     # conv_stash[b]: each channel written by exactly one program
     p_stash_b = p_conv_stash + i_b.to(tl.int64) * C * (Wm1 + K)
     _store_window(p_cs, p_xb, p_stash_b, K, stride_xk, o_cx, m_p, Wm1, BLOCK_L)
-    # B/C channels: the group's first head block only (a vector compare: the interpreter mis-types mask & scalar bool)
+    # B_g/C_g channels: the group's first head block only (a vector compare: the interpreter mis-types mask & bool)
     m_own = m_n & ((o_n * 0 + (i_h % (H // G)) + i_p) == 0)
     _store_window(p_cs, p_xb, p_stash_b, K, stride_xk, o_cb, m_own, Wm1, BLOCK_L)
     _store_window(p_cs, p_xb, p_stash_b, K, stride_xk, o_cc, m_own, Wm1, BLOCK_L)
@@ -201,7 +202,7 @@ def mamba_verify(xBC, dt, conv_state, ssm_state, slot_ids, conv_weight, conv_bia
 def mamba_verify_bytes(B: int, K: int, H: int, P: int, N: int, G: int, W: int, act: int, param: int | None = None,
                        bias: bool = True) -> dict:
     """The bytes one call moves, by tensor: what each of its two launches loads or stores, every element once per
-    launch (the B/C channels each head block of a group reads again come from L2). act: bytes of an activation and
+    launch (the B_g/C_g channels each head block of a group reads again come from L2). act: bytes of an activation and
     of the conv state, param: of a layer weight (act when None); the ssm state and stash are fp32, ids int64.
     The K stash states (4*K*H*P*N per sequence) are most of it."""
     param = act if param is None else param

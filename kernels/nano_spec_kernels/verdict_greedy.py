@@ -2,7 +2,7 @@
 
 For logits (B, K, V): picks[b, j] = argmax (the first maximal index on ties) and na[b] = the number of leading
 drafts equal to the pick of their row, clamped to nd[b] (the valid drafts; the rest of the (B, K-1)
-drafts are padding). An optional grammar bitmask (B, K, W = ceil(V / 32)) int32 restricts row (b, j) to the
+drafts are padding). An optional grammar bitmask (B, K, Vw = ceil(V / 32)) int32 restricts row (b, j) to the
 tokens whose bit is set (bit t % 32 of word t // 32, llguidance's packing): the others count as -inf inside
 the pass, and the logits are never written.
 
@@ -17,11 +17,11 @@ from nano_spec_kernels.common import FLOAT, INT, ROW, STRIDED, Arg, Checker, Lau
 
 _check = Checker("verdict_greedy")
 _ARGS = {"logits": Arg("B K V", FLOAT, ROW), "drafts": Arg("B K-1", INT, STRIDED), "nd": Arg("B", INT)}
-_MASK = {"bitmask": Arg("B K W", torch.int32, ROW)}  # W = ceil(V / 32) words, bound by the launcher
+_MASK = {"bitmask": Arg("B K Vw", torch.int32, ROW)}  # Vw = ceil(V / 32) words, bound by the launcher
 
 
 def verdict_greedy_ref(logits, drafts, nd, bitmask=None):
-    """logits (B, K, V), drafts (B, K-1) int64, nd (B,) int64, bitmask (B, K, W) int32 or None ->
+    """logits (B, K, V), drafts (B, K-1) int64, nd (B,) int64, bitmask (B, K, Vw) int32 or None ->
     (picks (B, K) int64, na (B,) int64)."""
     lf = logits.float()
     if bitmask is not None:
@@ -98,7 +98,7 @@ def verdict_greedy_plan(logits, drafts, nd, bitmask=None, block_v=None, num_spli
     dims = _check.args(_ARGS, logits=logits, drafts=drafts, nd=nd)
     Bsz, K, V, dev = dims.B, dims.K, dims.V, dims.device
     _check(K >= 1 and V >= 1, f"logits needs K >= 1 and V >= 1, got {tuple(logits.shape)}")
-    dims.W = (V + 31) // 32
+    dims.Vw = (V + 31) // 32
     _check.args(_MASK, dims, bitmask=bitmask)
     picks = torch.empty((Bsz, K), dtype=torch.int64, device=dev)
     na = torch.empty((Bsz,), dtype=torch.int64, device=dev)
@@ -135,6 +135,6 @@ def verdict_greedy_bytes(B: int, K: int, V: int, act: int, splits: int, mask: bo
 
 
 def unpack_bitmask(bitmask, V: int):
-    """bitmask (..., W) int32, bit t % 32 of word t // 32 -> allowed (..., V) bool."""
+    """bitmask (..., Vw) int32, bit t % 32 of word t // 32 -> allowed (..., V) bool."""
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
     return ((bitmask[..., None] >> shifts) & 1).flatten(-2)[..., :V].bool()

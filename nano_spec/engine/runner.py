@@ -79,7 +79,7 @@ class ModelRunner:
             logits = self.model.logits(hidden[-1:])  # (1, V)
             sampling = BatchSampling.of([seq.params], self.device)
             self.sampling.write(seq.slot, sampling)
-            mask = None if seq.constraint is None else seq.constraint.mask()[None].to(self.device)  # (1, W)
+            mask = None if seq.constraint is None else seq.constraint.mask()[None].to(self.device)  # (1, Vw)
             first, _ = sampling.pick(logits, self._uniforms([seq], 1, sampling, 0), mask)  # draw "first token"
             self.seq_lens[seq.slot], self.last[seq.slot] = len(seq.tokens), first[0]
         if self.max_drafts:
@@ -109,7 +109,7 @@ class ModelRunner:
         bitmask = None
         if any(s.constraint is not None for s in seqs):  # host work only for batches with a grammar
             with phase("mask"):
-                bitmask = verify_bitmask([s.constraint for s in seqs], drafts.tokens, drafts.nd)  # (B, K, W)
+                bitmask = verify_bitmask([s.constraint for s in seqs], drafts.tokens, drafts.nd)  # (B, K, Vw)
         with phase("verdict"):
             u = self._uniforms(seqs, K, sampling)  # draw "verdict"
             q = drafts.probs if sampling.all_greedy or drafts.probs is not None else \

@@ -95,7 +95,7 @@ class BatchSampling:
 
     def pick(self, logits, uniforms, bitmask=None):
         """One token per row from logits (B, V): argmax on greedy rows, an inverse-CDF draw with
-        uniforms (B,) on sampled rows; only among the tokens a grammar bitmask (B, W) allows, if given.
+        uniforms (B,) on sampled rows; only among the tokens a grammar bitmask (B, Vw) allows, if given.
         Returns (tokens (B,), probs (B, V) or None when all greedy)."""
         logits = masked(logits, bitmask)
         greedy_tok = logits.float().argmax(-1)
@@ -111,7 +111,7 @@ GREEDY = BatchSampling(None, None, None, None, all_greedy=True)  # every row gre
 
 
 def masked(logits, bitmask):
-    """logits (..., V) with the tokens a bitmask (..., W) disallows at -inf (a copy); unchanged without one.
+    """logits (..., V) with the tokens a bitmask (..., Vw) disallows at -inf (a copy); unchanged without one.
     A sampled row then applies temperature, top-k and top-p among the allowed tokens only."""
     return logits if bitmask is None else logits.masked_fill(~unpack_bitmask(bitmask, logits.shape[-1]), float("-inf"))
 
@@ -120,7 +120,7 @@ def accept_rule(ops, logits, drafts, nd, sampling: BatchSampling, q=None, unifor
     """Judge K = γ + 1 verified rows per sequence.
 
     logits (B, K, V), drafts (B, γ), nd (B,) real drafts, q (B, γ, V) the drafts' distributions (sampled
-    rows), uniforms (B, K), bitmask (B, K, W) or None -> (na (B,), emitted (B, K)) where emitted[b, j] is the
+    rows), uniforms (B, K), bitmask (B, K, Vw) or None -> (na (B,), emitted (B, K)) where emitted[b, j] is the
     token emitted at row j for j <= na[b] (accepted drafts, then the target's pick).
     """
     picks, na = ops.verdict_greedy(logits, drafts, nd, bitmask)  # the mask is applied in the pass

@@ -10,7 +10,7 @@ matrix costs O(T^2); SSD cuts T into chunks of l tokens, does the quadratic form
 chunk (matmuls, which autograd and BLAS like) and passes one (P, N) state per head between
 chunks. That is what makes training fast where the reference's Python loop over T is not.
 
-Shapes (docs/DESIGN.md §1; the C projection is called Cm so that C stays conv_dim):
+Shapes (docs/DESIGN.md §1; the Mamba projections are B_g and C_g, so that B and C stay the batch and conv_dim):
     T   tokens                 l   chunk length (chunk_size)     c   chunks = ceil(T / l)
     C   conv_dim = H*P + 2*G*N     W   conv width
     H, P, N, G   Mamba heads, head dim, state size, groups;  R = H / G heads per group (h = g*R + r)
@@ -54,8 +54,8 @@ def mamba_scan_chunked(xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, n_gro
         if conv_bias is not None:
             conv = conv + conv_bias.float()
         xbc = F.silu(conv)  # (T, C)
-        G, R = n_groups, H // n_groups  # head h = g R + r reads group g; B and C are never copied per head
-        x, B, Cm = split_xbc(xbc, H, head_dim, n_groups)  # (T, H, P), (T, G, N), (T, G, N)
+        G, R = n_groups, H // n_groups  # head h = g R + r reads group g; B_g and C_g are never copied per head
+        x, B_g, C_g = split_xbc(xbc, H, head_dim, n_groups)  # (T, H, P), (T, G, N), (T, G, N)
         dt = mamba_dt_ref(dt, dt_bias, dt_limit)  # (T, H) fp32
         A = -torch.exp(A_log.float()).view(G, R)  # (G, R)
 
@@ -64,20 +64,20 @@ def mamba_scan_chunked(xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, n_gro
         c = -(-T // l)
         pad = c * l - T
         x = F.pad(x, (0, 0, 0, 0, 0, pad)).view(c, l, G, R, head_dim)  # (c, l, G, R, P)
-        B, Cm = (F.pad(t, (0, 0, 0, 0, 0, pad)).view(c, l, G, -1) for t in (B, Cm))  # (c, l, G, N)
+        B_g, C_g = (F.pad(t, (0, 0, 0, 0, 0, pad)).view(c, l, G, -1) for t in (B_g, C_g))  # (c, l, G, N)
         dt = F.pad(dt, (0, 0, 0, pad)).view(c, l, G, R)  # (c, l, G, R)
         a = (dt * A).permute(0, 2, 3, 1)  # (c, G, R, l): log-decay of each step
         a_cum = a.cumsum(dim=-1)  # (c, G, R, l)
         xdt = x * dt[..., None]  # (c, l, G, R, P): the input term dt_j x_j
 
         # 3. inside each chunk, the quadratic (attention-like) form: (C_i . B_j) L_ij dt_j x_j for j <= i.
-        CB = torch.einsum("cign,cjgn->cgij", Cm, B)  # (c, G, l, l), shared by the R heads of a group
+        CB = torch.einsum("cign,cjgn->cgij", C_g, B_g)  # (c, G, l, l), shared by the R heads of a group
         scores = CB[:, :, None] * torch.exp(segsum(a))  # (c, G, R, l, l)
         y_diag = torch.einsum("cgrij,cjgrp->cigrp", scores, xdt)  # (c, l, G, R, P)
 
         # 4. each chunk's own end state from zero: sum_j exp(a_{j+1} + ... + a_last) dt_j x_j B_j^T.
         to_end = torch.exp(a_cum[..., -1:] - a_cum).permute(0, 3, 1, 2)  # (c, l, G, R)
-        states = torch.einsum("cjgrp,cjgn->cgrpn", xdt * to_end[..., None], B)  # (c, G, R, P, N)
+        states = torch.einsum("cjgrp,cjgn->cgrpn", xdt * to_end[..., None], B_g)  # (c, G, R, P, N)
 
         # 5. pass states across chunks: the state entering chunk k is sum_{k' < k} (decay of chunks
         #    k'+1 .. k-1) * states[k'], again a segsum, now over the c chunk totals (plus a zero start).
@@ -88,7 +88,7 @@ def mamba_scan_chunked(xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, n_gro
         entering, final = passed[:-1], passed[-1].reshape(H, head_dim, -1)  # (c, G, R, P, N), (H, P, N)
 
         # 6. the entering state's contribution inside its chunk, decayed to each position i.
-        y_off = torch.einsum("cign,cgrpn->cigrp", Cm, entering)  # (c, l, G, R, P)
+        y_off = torch.einsum("cign,cgrpn->cigrp", C_g, entering)  # (c, l, G, R, P)
         y_off = y_off * torch.exp(a_cum).permute(0, 3, 1, 2)[..., None]
 
         # 7. sum, the D skip, drop the padding.

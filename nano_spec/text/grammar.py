@@ -2,7 +2,7 @@
 
 A request with `SamplingParams(json_schema=..., regex=..., grammar=...)` gets a `Constraint`:
 an llguidance matcher over the tokens it has emitted. A mask is packed as llguidance
-packs it, bit t % 32 of word t // 32 set when token t is allowed, W = ceil(V / 32) words
+packs it, bit t % 32 of word t // 32 set when token t is allowed, Vw = ceil(V / 32) words
 a row; ids past the tokenizer's vocabulary (padding rows of the embedding) are never set.
 
 The engine advances a matcher by exactly the emitted tokens. Drafting and the verify
@@ -45,12 +45,12 @@ class Constraint:
     """One request's grammar state over its emitted tokens."""
 
     def __init__(self, matcher: llguidance.LLMatcher, words: int):
-        self.m, self.W = matcher, words
+        self.m, self.Vw = matcher, words
 
     def mask(self) -> torch.Tensor:
-        """(W,) int32: the tokens allowed next."""
-        buf = torch.empty(self.W, dtype=torch.int32)
-        self.m.unsafe_compute_mask_ptr(buf.data_ptr(), 4 * self.W)  # llguidance checks the size
+        """(Vw,) int32: the tokens allowed next."""
+        buf = torch.empty(self.Vw, dtype=torch.int32)
+        self.m.unsafe_compute_mask_ptr(buf.data_ptr(), 4 * self.Vw)  # llguidance checks the size
         return buf
 
     def push(self, token: int) -> bool:
@@ -96,11 +96,11 @@ class DraftMasks:
         self.on = any(c is not None for c in constraints)
 
     def mask(self) -> torch.Tensor | None:
-        """(R, W) on the device, or None when no row is constrained (no host work, no copy)."""
+        """(R, Vw) on the device, or None when no row is constrained (no host work, no copy)."""
         if not self.on:
             return None
-        W = next(c for c in self.cons if c is not None).W
-        out = torch.full((len(self.cons), W), -1, dtype=torch.int32)
+        Vw = next(c for c in self.cons if c is not None).Vw
+        out = torch.full((len(self.cons), Vw), -1, dtype=torch.int32)
         for r, c in enumerate(self.cons):
             if c is not None and self.num[r] >= self.pos:
                 out[r] = c.mask()
@@ -123,7 +123,7 @@ class DraftMasks:
 
 
 def verify_bitmask(constraints: list, drafts: torch.Tensor, nd: torch.Tensor) -> torch.Tensor:
-    """(B, K, W) int32 on the drafts' device: row j of a constrained sequence is the mask after its drafts[:j]
+    """(B, K, Vw) int32 on the drafts' device: row j of a constrained sequence is the mask after its drafts[:j]
     rows past its real drafts, and every row of a free sequence, allow everything. drafts (B, γ), nd (B,)."""
     host = torch.cat([nd[:, None], drafts], 1).cpu()  # one copy to the host
     with closing(DraftMasks(constraints, host[:, 0].tolist(), "cpu")) as masks:
@@ -140,7 +140,7 @@ class Grammars:
 
     def __init__(self, tokenizer_file: Path, vocab_size: int, eos_ids):
         self.file, self.V, self.eos = tokenizer_file, vocab_size, list(eos_ids)
-        self.W = (vocab_size + 31) // 32  # mask words per row
+        self.Vw = (vocab_size + 31) // 32  # mask words per row
         self.tok, self.compiled = None, {}
         self.compile_seconds, self.num_compiled = 0.0, 0
 
@@ -177,7 +177,7 @@ class Grammars:
             self.compiled[key] = matcher
             self.compile_seconds += time.perf_counter() - t0
             self.num_compiled += 1
-        return Constraint(self.compiled[key].deep_copy(), self.W)
+        return Constraint(self.compiled[key].deep_copy(), self.Vw)
 
     def _compile(self, field: str, value) -> llguidance.LLMatcher:
         try:
@@ -196,11 +196,11 @@ class Grammars:
         finds an empty language, a dead end after the forced text, or a forced run longer than it can follow
         (x{4294967295}, start: "x" start) only there. A dead end off the forced path ends its request at run time
         with an error instead (Constraint.consume)."""
-        Constraint(m, self.W).mask()
+        Constraint(m, self.Vw).mask()
         if not m.is_error():
             m.consume_tokens(m.compute_ff_tokens())
             if not m.is_error():
-                Constraint(m, self.W).mask()
+                Constraint(m, self.Vw).mask()
         if m.is_error():
             err = one_line(m.get_error())
             what = "unsatisfiable: no text matches it" if err in DEAD_END else "refused"
