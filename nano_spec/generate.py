@@ -1,7 +1,7 @@
 """python -m nano_spec.generate: complete prompts with speculative decoding.
 
-With no arguments it streams the completion of a default prompt by the weights shipped in
-weights/. Exit status: 0 when every request finished, 2 for a user error (one line on stderr,
+With no prompt it runs the demo: the weights shipped in weights/ write the methods of a small class, and it
+reports what speculation did against plain decoding timed in the same run. Exit status: 0 when every request finished, 2 for a user error (one line on stderr,
 nothing queued), 1 when a request failed inside the engine (its error on stderr, and in the
 `error` field with --json), 130 after Ctrl-C (the requests that had finished are printed first),
 141 when stdout closes early (`| head`). --show-drafts colours each token by its origin (docs/DESIGN.md §1).
@@ -15,7 +15,12 @@ import time
 
 from nano_spec.cli import check_threads, read_file, read_schema
 
-DEFAULT_PROMPT = 'class Stack:\n    """A last-in, first-out stack."""\n\n    def __init__(self):\n        self.'
+# The demo: the model completes each method of a class in turn, every completion in the prompt of the next. The
+# shipped model has 7.6M parameters: one short body at a time is what it writes well.
+DEMO_CLASS = 'class Stack:\n    """A last-in, first-out stack."""\n\n    def __init__(self):\n        self.items = []\n\n'
+DEMO_METHODS = ("    def push(self, item):\n        self.items.", "    def pop(self):\n        return self.items.",
+                "    def peek(self):\n        return self.items[", "    def __len__(self):\n        return len(",
+                "    def __iter__(self):\n        return iter(", "    def __contains__(self, item):\n        return item in")
 
 
 def gamma_arg(value: str):
@@ -72,9 +77,9 @@ def read_prompts(args) -> list:
             prompts.append(json.loads(line)["prompt"] if line.lstrip().startswith("{") else line)
         except (json.JSONDecodeError, KeyError, TypeError):
             raise ValueError(f"--prompts-file: line {i} is not JSON with a 'prompt' field") from None
-    if args.prompts_file and not text.strip():  # not the demo prompt in its place
+    if args.prompts_file and not text.strip():  # not the demo in its place
         raise ValueError(f"--prompts-file: {args.prompts_file} holds no prompts")
-    return prompts or [DEFAULT_PROMPT]
+    return prompts
 
 
 # origin -> (ANSI colour, plain-text brackets, legend)
@@ -88,12 +93,16 @@ RESET = "\033[0m"
 
 
 def show_drafts(tok, out, colour: bool) -> str:
-    """The completion with each run of tokens of one origin coloured (or bracketed without colour)."""
+    """The completion with each run of tokens of one origin coloured (or bracketed without colour); a stop string's
+    tokens, past the end of out.text, are left out as the text leaves them."""
     from nano_spec.text.tokenizer import IncrementalDecoder
 
-    decoder = IncrementalDecoder(tok)  # a character split across tokens goes to the last
-    runs = itertools.groupby(zip(out.origins, map(decoder.add, out.token_ids)), key=lambda pair: pair[0])
-    return "".join(mark(o, "".join(t for _, t in run), colour) for o, run in runs)
+    decoder, pieces, left = IncrementalDecoder(tok), [], len(out.text)  # a character split across tokens: the last's
+    for origin, token in zip(out.origins, out.token_ids):
+        pieces.append((origin, decoder.add(token)[:left]))
+        left -= len(pieces[-1][1])
+    runs = [(o, "".join(t for _, t in run)) for o, run in itertools.groupby(pieces, key=lambda pair: pair[0])]
+    return "".join(mark(o, text, colour) for o, text in runs if text)
 
 
 def legend(colour: bool) -> str:
@@ -141,6 +150,8 @@ def run(args) -> int:
 
     check_threads(args.threads)
     prompts = read_prompts(args)
+    run_demo = not (prompts or args.chat or args.json)
+    prompts = prompts or [DEMO_CLASS + DEMO_METHODS[0]]  # --chat or --json with no prompt: the demo's first
     if args.system is not None and not args.chat:
         raise ValueError("--system: only with --chat")
     system = [] if args.system is None else [{"role": "system", "content": args.system}]
@@ -159,7 +170,9 @@ def run(args) -> int:
         f"compiling: {what}, graph {n}{'' if most is None else f' of at most {most}'} at {threads} thread(s) "
         "(once per shape bucket; later runs read inductor's on-disk cache)", file=sys.stderr, flush=True))
     t0 = time.perf_counter()
-    if len(prompts) == 1 and not (args.json or args.show_drafts):
+    if run_demo:
+        outs = demo(args, llm, params)
+    elif len(prompts) == 1 and not (args.json or args.show_drafts):
         # validates the request before anything is printed; a chat prints the reply only
         stream = llm.chat_stream(chats[0], params) if args.chat else llm.stream(prompts[0], params)
         print("" if args.chat else prompts[0], end="", flush=True)
@@ -187,6 +200,43 @@ def run(args) -> int:
     if args.stats:
         print_stats(llm.stats, [o for o in outs if o.finish_reason != "error"], elapsed)
     return 1 if failed else 0
+
+
+def demo(args, llm, params) -> list:
+    """Print the class as the model completes it, drafted tokens coloured on a terminal; then what speculation did,
+    against plain decoding of the same prompts, timed in turn with it. Returns the Outputs."""
+    from dataclasses import replace
+
+    from nano_spec.engine.llm import LLM
+
+    params, colour = replace(params, stop=("\n\n",)), sys.stdout.isatty() and "NO_COLOR" not in os.environ
+    spec = llm.config.max_drafts > 0
+    plain = LLM(llm.config.path, backend=args.backend, device=args.device, dtype=args.dtype, threads=args.threads,
+                proposer="none", max_batch=1) if spec else None
+    text, outs, same = DEMO_CLASS, [], True
+    print(text, end="")
+    for method in DEMO_METHODS:
+        out = llm.generate(text + method, params)[0]
+        if spec:  # the same prompt plainly, in turn, so both see the machine alike
+            same = same and plain.generate(text + method, params)[0].token_ids == out.token_ids
+        outs.append(out)
+        o = outs[-1]
+        print(method + (show_drafts(llm.tokenizer, o, colour) if colour or args.show_drafts else o.text), end="\n\n",
+              flush=True)
+        text += method + o.text + "\n\n"
+    origins = [x for o in outs for x in o.origins]
+    n, drafted, st = len(origins), origins.count("draft"), llm.stats
+    if spec:  # decoding: every phase but the prompts' forward, the same for both (telemetry, docs/DESIGN.md §7)
+        decode = [sum(e.stats["phase_seconds"].values()) - e.stats["phase_seconds"]["prefill"] for e in (llm, plain)]
+        print(f"speculation: {n} tokens, {len(outs)} from prefills, the rest in {st['verify_steps']} verify steps "
+              f"(tau {st['tau']:.2f}); {drafted} were accepted drafts, {n - drafted} the target's picks",
+              file=sys.stderr)
+        print(f"plain decoding of the same prompts, in turn with it: {'the same' if same else 'OTHER'} tokens in "
+              f"{n - len(outs)} steps; decoding took {decode[0] * 1e3:.0f} ms with speculation, {decode[1] * 1e3:.0f} "
+              f"ms plain ({decode[1] / decode[0]:.1f}x)", file=sys.stderr)
+    if colour or args.show_drafts:
+        print(legend(colour), file=sys.stderr)
+    return outs
 
 
 def print_outputs(args, llm, outs: list):

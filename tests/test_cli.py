@@ -36,10 +36,39 @@ def test_generate_streams_one_prompt_with_stats(ckpt):
     assert out.startswith("for i in") and "tau" in err and "verify" in err
 
 
-def test_generate_with_no_arguments_uses_the_shipped_weights():
-    rc, out, err = cli("--max-new-tokens", 8)
+def test_generate_with_no_arguments_is_the_demo():
+    """The shipped weights write a class a method body at a time: the printed file is Python, no line loops, and what
+    the model wrote compresses like code (zlib ratio >= 0.45; a loop of one phrase gives about 0.3). Then the report:
+    speculation's steps and tau, and plain decoding of the same prompts, which gave the same tokens."""
+    import ast
+    import collections
+    import zlib
+
+    from nano_spec.generate import DEMO_CLASS, DEMO_METHODS
+
+    rc, out, err = cli()
     assert rc == 0, err
-    assert out.startswith("class Stack:") and len(out) > 90
+    ast.parse(out)
+    assert out.startswith(DEMO_CLASS) and all(m in out for m in DEMO_METHODS)
+    lines = collections.Counter(line for line in out.splitlines() if line.strip())
+    assert max(lines.values()) <= 2, lines.most_common(3)
+    written = out[len(DEMO_CLASS):]
+    for method in DEMO_METHODS:
+        written = written.replace(method, "", 1)
+    assert len(zlib.compress(written.encode(), 9)) / len(written.encode()) >= 0.45, written
+    assert "verify steps (tau" in err and "plain decoding of the same prompts" in err and "the same tokens" in err
+
+
+def test_show_drafts_leaves_out_a_stop_string():
+    """A stop string's tokens are generated but not part of the text: the marked completion ends where the text does."""
+    from nano_spec import LLM, SamplingParams
+    from nano_spec.generate import show_drafts
+
+    llm = LLM(max_batch=1)
+    o = llm.generate("def push(self, item):\n    self.items.", SamplingParams(max_new_tokens=16, stop=("(",)))[0]
+    assert o.finish_reason == "stop" and len(o.token_ids) >= 2
+    marked = show_drafts(llm.tokenizer, o, colour=False)
+    assert "".join(c for c in marked if c not in "[]{}<>|") == o.text
 
 
 def test_user_errors_exit_2_without_traceback(ckpt, tmp_path, capsys):

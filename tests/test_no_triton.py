@@ -122,10 +122,10 @@ def test_generate_cli_on_torch_backend():
         sys.argv = ["nano_spec.generate", "--backend", "torch", "--max-new-tokens", "8"]
         runpy.run_module("nano_spec.generate", run_name="__main__", alter_sys=True)
     """)
-    from nano_spec.generate import DEFAULT_PROMPT
+    from nano_spec.generate import DEMO_CLASS, DEMO_METHODS
 
-    assert out.startswith(DEFAULT_PROMPT), out
-    assert out[len(DEFAULT_PROMPT):].strip(), f"no completion printed: {out!r}"
+    assert out.startswith(DEMO_CLASS + DEMO_METHODS[0]), out
+    assert out[len(DEMO_CLASS + DEMO_METHODS[0]):].strip(), f"no completion printed: {out!r}"
 
 
 def test_reference_loop_without_triton():
