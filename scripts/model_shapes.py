@@ -2,9 +2,19 @@
 
 The Granite configs are the published field sets (the 1b by its shapes: hidden 1536, 40 layers, Mamba head dim 64).
 tests/test_real_shapes.py builds its checkpoint from them; scripts/compile_check.py and the roofline read only
-the shapes, no weights.
+the shapes, no weights. Run as a script, it writes a random-weight checkpoint in one of these shapes, so that anyone
+can measure the engine at the sizes users run without downloading a model:
+
+    python scripts/model_shapes.py --write 350m --out /tmp/granite-350m-random [--vocab ours] [--dtype float32]
+
+--vocab ours (the default) keeps the shipped 4,096-token tokenizer and vocabulary, so prompts tokenize as in every
+other measurement; --vocab published keeps the published 100,352 rows (the output layer is then the largest matmul;
+ids past the tokenizer's never come out of it as text).
 """
+import argparse
 from pathlib import Path
+
+import torch
 
 from nano_spec.model.config import ModelConfig
 
@@ -43,3 +53,39 @@ def models(names=("shipped", "350m", "1b")) -> dict:
     make = {"shipped": lambda: ModelConfig.from_file(SHIPPED), "350m": lambda: ModelConfig.from_dict(granite_350m()),
             "1b": lambda: ModelConfig.from_dict(granite_1b())}
     return {n: make[n]() for n in names}
+
+
+def write_checkpoint(config: dict, out, vocab: str = "ours", dtype=torch.float32, seed: int = 0) -> Path:
+    """A published config dict -> a checkpoint directory at out with random weights (init_weights) in dtype and the
+    shipped tokenizer.json; vocab "ours" takes the shipped vocabulary size and special ids."""
+    from nano_spec.model.model import HybridLM
+    from nano_spec.model.weights import init_weights, save_model
+
+    if vocab == "ours":
+        shipped = ModelConfig.from_file(SHIPPED)
+        config = dict(config, vocab_size=shipped.vocab_size, bos_token_id=shipped.bos_token_id,
+                      eos_token_id=shipped.eos_token_id, pad_token_id=shipped.pad_token_id)
+    model = init_weights(HybridLM(ModelConfig.from_dict(config)), seed=seed).to(dtype)
+    save_model(model, Path(out), extra_files={"tokenizer.json": SHIPPED.parent / "tokenizer.json"})
+    return Path(out)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="write a random-weight checkpoint in a published Granite 4.0-H shape")
+    p.add_argument("--write", choices=["350m", "1b"], required=True, help="the published shape")
+    p.add_argument("--out", required=True, help="the checkpoint directory to write (replaced whole if it exists)")
+    p.add_argument("--vocab", choices=["ours", "published"], default="ours")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if Path(args.out).exists() and not (Path(args.out) / "config.json").is_file():
+        p.error(f"--out: {args.out} exists and is not a checkpoint directory; nothing was written")
+    config = {"350m": granite_350m, "1b": granite_1b}[args.write]()
+    out = write_checkpoint(config, args.out, args.vocab, getattr(torch, args.dtype), args.seed)
+    size = sum(f.stat().st_size for f in out.iterdir())
+    print(f"{out}: granite-4.0-h-{args.write} shapes, random weights, {args.dtype}, vocab {args.vocab} "
+          f"({size / 2**30:.2f} GiB)")
+
+
+if __name__ == "__main__":
+    main()

@@ -173,3 +173,23 @@ def test_llm_default_fits_a_small_budget_and_an_explicit_request_is_refused(ckpt
     with pytest.raises(ValueError, match="memory: max_batch=2, max_seq_len=1001"):
         LLM(path, backend="torch", device="cpu", max_batch=2, num_drafts=3, memory_budget=budget,
             max_seq_len=want + 1)
+
+
+def test_write_checkpoint_in_a_published_shape(tmp_path):
+    """scripts/model_shapes.py writes a random-weight checkpoint anyone can measure with: the published fields, the
+    shipped tokenizer and vocabulary; the engine loads it and speculates losslessly on it."""
+    config = shrunk()
+    out = SHAPES.write_checkpoint(config, tmp_path / "ckpt", seed=1)
+    shipped = ModelConfig.from_file(SHAPES.SHIPPED)
+    cfg = ModelConfig.from_file(out / "config.json")
+    assert cfg.vocab_size == shipped.vocab_size and cfg.eos_ids == shipped.eos_ids
+    for name in ("hidden_size", "layer_types", "mamba_d_head", "mamba_d_state", "attention_multiplier",
+                 "embedding_multiplier", "residual_multiplier", "logits_scaling", "tie_word_embeddings"):
+        assert getattr(cfg, name) == config[name], name
+    assert (out / "tokenizer.json").read_bytes() == (SHAPES.SHIPPED.parent / "tokenizer.json").read_bytes()
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    spec, plain = (LLM(out, proposer=p, num_drafts=3) for p in ("ngram", "none"))
+    prompt = "def f(x):\n    return x"
+    assert spec.generate(prompt, params)[0].token_ids == plain.generate(prompt, params)[0].token_ids
+    with pytest.raises(SystemExit):  # a directory that is not a checkpoint is never replaced
+        SHAPES.main(["--write", "350m", "--out", str(tmp_path)])
