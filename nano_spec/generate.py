@@ -1,10 +1,10 @@
 """python -m nano_spec.generate: complete prompts with speculative decoding.
 
 With no prompt it runs the demo: the weights shipped in weights/ write the methods of a small class, and it
-reports what speculation did against plain decoding timed in the same run. Exit status: 0 when every request finished, 2 for a user error (one line on stderr,
-nothing queued), 1 when a request failed inside the engine (its error on stderr, and in the
-`error` field with --json), 130 after Ctrl-C (the requests that had finished are printed first),
-141 when stdout closes early (`| head`). --show-drafts colours each token by its origin (docs/DESIGN.md §1).
+reports what speculation did against plain decoding timed in the same run. Exit status: 0 when every request
+finished, 2 for a user error (one line on stderr, nothing queued), 1 when a request failed inside the engine (its
+error on stderr, and in the `error` field with --json), 130 after Ctrl-C (the requests that had finished are printed
+first), 141 when stdout closes early (`| head`). --show-drafts colours each token by its origin (docs/DESIGN.md §1).
 """
 import argparse
 import itertools
@@ -17,10 +17,12 @@ from nano_spec.cli import check_threads, read_file, read_schema
 
 # The demo: the model completes each method of a class in turn, every completion in the prompt of the next. The
 # shipped model has 7.6M parameters: one short body at a time is what it writes well.
-DEMO_CLASS = 'class Stack:\n    """A last-in, first-out stack."""\n\n    def __init__(self):\n        self.items = []\n\n'
+DEMO_CLASS = ('class Stack:\n    """A last-in, first-out stack."""\n\n'
+              '    def __init__(self):\n        self.items = []\n\n')
 DEMO_METHODS = ("    def push(self, item):\n        self.items.", "    def pop(self):\n        return self.items.",
                 "    def peek(self):\n        return self.items[", "    def __len__(self):\n        return len(",
-                "    def __iter__(self):\n        return iter(", "    def __contains__(self, item):\n        return item in")
+                "    def __iter__(self):\n        return iter(",
+                "    def __contains__(self, item):\n        return item in")
 
 
 def gamma_arg(value: str):
@@ -214,15 +216,13 @@ def demo(args, llm, params) -> list:
     plain = LLM(llm.config.path, backend=args.backend, device=args.device, dtype=args.dtype, threads=args.threads,
                 proposer="none", max_batch=1) if spec else None
     text, outs, same = DEMO_CLASS, [], True
-    print(text, end="")
     for method in DEMO_METHODS:
-        out = llm.generate(text + method, params)[0]
+        o = llm.generate(text + method, params)[0]  # a bad request fails here, before anything is printed
         if spec:  # the same prompt plainly, in turn, so both see the machine alike
-            same = same and plain.generate(text + method, params)[0].token_ids == out.token_ids
-        outs.append(out)
-        o = outs[-1]
-        print(method + (show_drafts(llm.tokenizer, o, colour) if colour or args.show_drafts else o.text), end="\n\n",
-              flush=True)
+            same = same and plain.generate(text + method, params)[0].token_ids == o.token_ids
+        outs.append(o)
+        written = show_drafts(llm.tokenizer, o, colour) if colour or args.show_drafts else o.text
+        print(("" if len(outs) > 1 else DEMO_CLASS) + method + written, end="\n\n", flush=True)
         text += method + o.text + "\n\n"
     origins = [x for o in outs for x in o.origins]
     n, drafted, st = len(origins), origins.count("draft"), llm.stats
