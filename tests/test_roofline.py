@@ -1,5 +1,5 @@
-"""The roofline's bytes (tests/bench/roofline.py, `<op>_bytes` beside each decode kernel) against the tensors the
-launchers move, and `python -m tests.bench --predict`.
+"""The roofline's bytes (tests/bench/roofline.py, `<op>_bytes` beside each kernel, which the kernel bench uses too)
+against the tensors the launchers move, and `python -m nano_spec_kernels.bench --predict`.
 
 Each formula is compared, entry by entry, with the nbytes of the tensors (or the parts of them) its launcher's
 launches load or store at a small shape; and every tensor a plan hands its kernels must be one of those, so a
@@ -15,8 +15,8 @@ import torch
 from bench import roofline
 from bench.roofline import models
 from nano_spec.engine.capacity import weight_bytes
-from nano_spec_kernels import (attention_verify, commit_state, gated_rmsnorm, gather_rows, mamba_verify, rmsnorm,
-                               verdict_greedy, verdict_sample)
+from nano_spec_kernels import (attention_prefill, attention_verify, commit_state, gated_rmsnorm, gather_rows,
+                               mamba_scan, mamba_verify, rmsnorm, verdict_greedy, verdict_sample)
 
 ROOT = Path(__file__).resolve().parents[1]
 BF16 = torch.bfloat16
@@ -134,6 +134,39 @@ def test_gather_rows_and_norms_bytes():
           launches, yz, gw, out)
 
 
+def test_mamba_scan_bytes():
+    T, H, P, N, G, W = 37, 4, 8, 16, 2, 4  # T not a multiple of the chunk
+    C = H * P + 2 * G * N
+    xBC, dt = torch.zeros(T, C, dtype=BF16), torch.zeros(T, H, dtype=BF16)
+    conv_w, conv_b = torch.zeros(C, W, dtype=BF16), torch.zeros(C, dtype=BF16)
+    dt_bias, A_log, D = (torch.zeros(H, dtype=BF16) for _ in range(3))
+    for method in ("chunked", "recurrent"):
+        for bias in (conv_b, None):
+            launches, (y, state, window) = mamba_scan.mamba_scan_plan(xBC, dt, conv_w, bias, dt_bias, A_log, D, G, P,
+                                                                      method=method, **PLAN)
+            assert launches[0].meta["Q"] == (1 if method == "recurrent" else mamba_scan.CHUNK)
+            weights = nb(conv_w, dt_bias, A_log, D) + (nb(bias) if bias is not None else 0)
+            want = {"xBC": nb(xBC), "dt": nb(dt), "weights": weights, "y": nb(y), "ssm_state written": nb(state),
+                    "conv window written": nb(window)}
+            check(mamba_scan.mamba_scan_bytes(T, H, P, N, G, W, 2, bias=bias is not None), want, launches, xBC, dt,
+                  conv_w, conv_b, dt_bias, A_log, D, y, state, window)
+
+
+def test_attention_prefill_bytes():
+    T, Hq, Hkv, Dh, S, L, slot = 40, 4, 2, 16, 3, 64, 1
+    q, k, v = torch.zeros(T, Hq, Dh, dtype=BF16), torch.zeros(T, Hkv, Dh, dtype=BF16), torch.zeros(T, Hkv, Dh,
+                                                                                                   dtype=BF16)
+    kc, vc = torch.zeros(S, L, Hkv, Dh, dtype=BF16), torch.zeros(S, L, Hkv, Dh, dtype=BF16)
+    for theta in (None, 10000.0):
+        launches, o = attention_prefill.attention_prefill_plan(q, k, v, kc, vc, slot, 0.1, theta, **PLAN)
+        inv_freq = launches[0].args[4]
+        rows = nb(kc[slot, :T], vc[slot, :T])  # the slot's first T rows: written by one launch, read by the other
+        want = {"q": nb(q), "k, v": nb(k, v), "inv_freq": 2 * nb(inv_freq) if theta else 0,
+                "cache rows written": rows, "cache rows read": rows, "o": nb(o)}
+        check(attention_prefill.attention_prefill_bytes(T, Hq, Hkv, Dh, 2, theta is not None), want, launches,
+              q, k, v, kc, vc, o, inv_freq)
+
+
 def test_a_verify_step_reads_every_weight_once():
     """Granite 350m (tied embeddings, no MTP head): the linears and lm_head, the norms and the Mamba layers'
     conv and head parameters are every parameter the model has."""
@@ -151,8 +184,8 @@ def test_a_verify_step_reads_every_weight_once():
 def test_predict_prints_the_roofline_table():
     path = [str(ROOT), str(ROOT / "kernels"), os.environ.get("PYTHONPATH", "")]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
-    run = subprocess.run([sys.executable, "-m", "tests.bench", "--predict", "--model", "350m", "--tau", "3.07"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    run = subprocess.run([sys.executable, "-m", "nano_spec_kernels.bench", "--predict", "--model", "350m", "--tau",
+                          "3.07"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     for line in ("predicted us per call", "mamba_verify", "plain, us", "γ=3, us", "speedup at tau 3.07"):
         assert line in run.stdout, run.stdout

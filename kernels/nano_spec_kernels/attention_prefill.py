@@ -145,3 +145,12 @@ def attention_prefill_plan(q, k, v, k_cache, v_cache, slot: int, scale: float, r
 def attention_prefill(q, k, v, k_cache, v_cache, slot: int, scale: float, rope_theta=None):
     """Triton version of attention_prefill_ref (same signature, same cache writes, same output)."""
     return launch(attention_prefill_plan, q, k, v, k_cache, v_cache, slot, scale, rope_theta)
+
+
+def attention_prefill_bytes(T: int, Hq: int, Hkv: int, Dh: int, act: int, rope: bool = False) -> dict:
+    """The bytes one call moves, by tensor: what each of its two launches loads or stores, every element once per
+    launch (a cached K/V row is read once for all the query blocks and the REP query heads that see it; the rereads
+    come from L2). act: bytes of an element of q, k, v and the cache; inv_freq fp32, loaded by both launches."""
+    return {"q": T * Hq * Dh * act, "k, v": 2 * T * Hkv * Dh * act, "inv_freq": 2 * (Dh // 2) * 4 if rope else 0,
+            "cache rows written": 2 * T * Hkv * Dh * act, "cache rows read": 2 * T * Hkv * Dh * act,
+            "o": T * Hq * Dh * act}

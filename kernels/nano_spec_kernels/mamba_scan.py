@@ -206,3 +206,15 @@ def mamba_scan(xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, n_groups: int
     tokens) or "auto" (chunked on CUDA when T >= 2*CHUNK). xBC and dt may be row-strided views."""
     return launch(mamba_scan_plan, xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, n_groups, head_dim, dt_limit,
                   method)
+
+
+def mamba_scan_bytes(T: int, H: int, P: int, N: int, G: int, W: int, act: int, param: int | None = None,
+                     bias: bool = True) -> dict:
+    """The bytes one call moves, by tensor: what its one launch loads or stores, every element once (the B_g/C_g
+    channels that every head block of a group reads again, and the last W-1 tokens the conv window copies, come from
+    L2). act: bytes of an element of xBC, dt and y and of the conv window, param: of a layer weight (act when None);
+    the final ssm state is fp32."""
+    param = act if param is None else param
+    C = H * P + 2 * G * N
+    return {"xBC": T * C * act, "dt": T * H * act, "weights": (C * W + C * bias + 3 * H) * param,
+            "y": T * H * P * act, "ssm_state written": H * P * N * 4, "conv window written": C * (W - 1) * act}

@@ -1,17 +1,20 @@
 """A roofline on paper: the bytes a decode step must move through HBM and the times they imply
-(python -m tests.bench --predict [--model 350m 1b] [--tau 3.07] [--ctx 1024] [--tbs 4.8]).
+(python -m nano_spec_kernels.bench --predict [--model 350m 1b] [--tau 3.07] [--ctx 1024] [--tbs 4.8], which runs
+this file as `python -m tests.bench.roofline` from the repository root: it reads the model configs from nano_spec,
+which the kernels package never imports).
 
 At decode sizes every kernel and linear is memory bound, so a call takes at least its bytes / HBM bandwidth. The
 bytes of a kernel are the formula beside it (`<op>_bytes` in nano_spec_kernels: every tensor element each launch
 loads or stores, once); a linear reads its weight once and its input and output activations once; the torch
 elementwise ops between them (embedding, the MLP's silu * up, the logits' scaling and finiteness check) are
-counted the same way. A GPU run is held to these numbers: measured / predicted is the fraction of peak it reaches.
+counted the same way. A GPU run is held to these numbers: measured / predicted is the fraction of peak it reaches
+(the kernel bench, python -m nano_spec_kernels.bench, prints that fraction per kernel as % of peak).
 
 The steps, as nano_spec/engine/runner.py runs them, bf16 (the CUDA default) at B sequences, each with ctx cache rows:
   plain    proposer none, γ = 0: verify over K = 1 row, greedy verdict (and the finiteness check of the logits).
   γ = 3    an MTP head of the shipped weights' kind (one attention layer of the model's shape, eh_proj 2D -> D,
            the model's lm_head): 3 drafts (the head's logits 3 times, its layer twice), verify over K = 4 rows,
-           greedy verdict, commit_state (every row committing: the worst case, which bench_mamba times), the
+           greedy verdict, commit_state (every row committing: the worst case, which the kernel bench times), the
            head's catch-up over the K rows and the head_out gather.
 The Granite 4.0-H checkpoints ship no MTP head; the γ = 3 column prices one. Speedup = tau * t_plain / t_γ3:
 tau tokens per γ = 3 step (the acceptance the shipped weights' bench measures) against one per plain step.
@@ -180,7 +183,8 @@ def summarize(items: list, tbs: float) -> dict:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m tests.bench --predict", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m nano_spec_kernels.bench --predict",
+                                 description=__doc__.splitlines()[0])
     ap.add_argument("--model", nargs="+", default=["350m", "1b"], choices=["shipped", "350m", "1b"])
     ap.add_argument("--tau", type=float, default=TAU, help=f"tokens per γ = 3 step (default {TAU})")
     ap.add_argument("--ctx", type=int, default=CTX, help=f"cache rows each sequence holds (default {CTX})")
