@@ -1,6 +1,6 @@
 """Where a compiled verify's time goes, beside the eager one and the matmul floor (docs/BENCHMARKS.md).
 
-    python scripts/compile_profile.py [--model DIR] [--k 1 4] [--threads 1] [--top 8]
+    python scripts/compile_profile.py [--model DIR] [--k 1 4] [--dtype float32|bfloat16] [--threads 1] [--top 8]
 
 For each K (rows per sequence, batch 1), in one process, interleaved:
   - eager ms: HybridLM.verify as the engine runs it without compile;
@@ -38,6 +38,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", help="checkpoint directory (default: the shipped weights)")
     p.add_argument("--k", type=int, nargs="+", default=[1, 4], help="rows per sequence of the verifies timed")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="the weights' and caches'")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds; medians are reported")
     p.add_argument("--calls", type=int, default=20, help="calls per round")
@@ -47,7 +48,8 @@ def main(argv=None):
         p.error("--k, --rounds and --calls must be at least 1")
     model = Path(args.model) if args.model else shipped_weights()
     # n-gram sizes the caches for K rows and needs no weights of its own
-    kw = dict(backend="torch", device="cpu", max_batch=1, proposer="ngram", num_drafts=max(args.k) - 1 or 1)
+    kw = dict(backend="torch", device="cpu", max_batch=1, proposer="ngram", num_drafts=max(args.k) - 1 or 1,
+              dtype=args.dtype)
     eager, compiled = LLM(str(model), **kw), LLM(str(model), compile=True, **kw)
     torch.set_num_threads(args.threads)  # after LLM(), which may set its own default
     m = eager.model
@@ -60,7 +62,7 @@ def main(argv=None):
         for K in args.k:
             ids = torch.randint(0, m.cfg.vocab_size, (1, K))
             slots, seq_lens = torch.tensor([0]), torch.tensor([32])
-            xs = [torch.randn(1, K, w.shape[1]) for w in weights]
+            xs = [torch.randn(1, K, w.shape[1], dtype=w.dtype) for w in weights]
             t0 = time.perf_counter()
             compiled.runner.compiled(ids, slots, seq_lens, compiled.runner.cache, kv_len=32 + K)
             compile_s = time.perf_counter() - t0
@@ -74,8 +76,8 @@ def main(argv=None):
             for _ in range(args.rounds):
                 for name, fn in timed.items():
                     ms[name].append(mean_ms(fn, args.calls))
-            row = {"K": K, "compile_s": compile_s, **{f"{n} ms": statistics.median(v) for n, v in ms.items()},
-                   "weight_MiB": nbytes / 2**20}
+            row = {"K": K, "dtype": args.dtype, "compile_s": compile_s, "weight_MiB": nbytes / 2**20,
+                   **{f"{n} ms": statistics.median(v) for n, v in ms.items()}}
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 for _ in range(args.calls):
                     timed["compiled"]()
