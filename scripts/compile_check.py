@@ -28,6 +28,7 @@ bf16 is what a GPU serves in. fp32 on CUDA is the parity mode: its "ieee" tl.dot
 Dh = 128 cannot hold 16 warps per SM without spilling, so its spills and occupancy are reported, not held to the rule.
 """
 import argparse
+import importlib
 import os
 import re
 import shutil
@@ -47,9 +48,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "kernels"), str(ROOT / "scripts")]  # runn
 
 from nano_spec.model.cache import HybridCache  # noqa: E402
 from nano_spec.model.model import HybridLM  # noqa: E402
-from nano_spec.model.ops import OP_NAMES  # noqa: E402
-from nano_spec_kernels import (attention_prefill, attention_verify, commit_state, gated_rmsnorm,  # noqa: E402
-                               gather_rows, mamba_scan, mamba_verify, rmsnorm, verdict_greedy, verdict_sample)
+from nano_spec.model.ops import MODULE_OF, OP_NAMES  # noqa: E402
 from model_shapes import models  # noqa: E402  (scripts/, beside this file)
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -58,10 +57,6 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 BATCHES, KS = (1, 64), (1, 4)
 DRAFT_BLOCK = {"shipped": 8, "350m": 16, "1b": 16}  # attention_block's Kb: the block drafter's block size
 CTX, MAX_LEN, PROMPTS = 1000, 4096, (16, 512)
-MODULES = dict(rmsnorm=rmsnorm, gated_rmsnorm=gated_rmsnorm, mamba_scan=mamba_scan, mamba_verify=mamba_verify,
-               commit_state=commit_state, attention_prefill=attention_prefill, attention_verify=attention_verify,
-               attention_block=attention_verify, gather_rows=gather_rows, verdict_greedy=verdict_greedy,
-               verdict_sample=verdict_sample)
 # the ops of a decode step (the block drafter's attention too); prefill-only ops are held to the spill rule alone
 DECODE = {"mamba_verify", "attention_verify", "attention_block", "commit_state", "verdict_greedy", "verdict_sample",
           "gather_rows", "rmsnorm", "gated_rmsnorm"}
@@ -105,7 +100,8 @@ class PlannedOps:
             setattr(self, name, self._planner(name))
 
     def _planner(self, name):
-        plan = getattr(MODULES[name], f"{name}_plan")
+        module = importlib.import_module(f"nano_spec_kernels.{MODULE_OF.get(name, name)}")  # as Ops binds them
+        plan = getattr(module, f"{name}_plan")
 
         def call(*args, **kwargs):
             launches, out = plan(*args, cuda=True, n_sm=N_SM, **kwargs)
