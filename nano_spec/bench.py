@@ -22,6 +22,11 @@ a time, on a GGUF of the same base weights (docs/BENCHMARKS.md, "Beside llama.cp
     decode tokens/s = (tokens - prompts) / decode seconds: the tokens after each prompt's first, over the
         step phases (nano_spec: the median over rounds, as for step speedup; llama.cpp: from each prompt's
         first token to its last, summed); none for transformers
+    step ms = the step phases' seconds / engine steps (the median round)
+    floor ms = the matmuls that read a weight in the device steps of one pass of the eager engine of the same
+        configuration, recorded with their own tensors and replayed alone (the same aten calls, so the same
+        GEMM path and weight layout), per engine step: what the steps would cost if they were only their matmuls
+    overhead = step ms / floor ms
 """
 import argparse
 import json
@@ -33,6 +38,7 @@ from pathlib import Path
 import torch
 
 from nano_spec.bench_baselines import LlamaCpp, Transformers
+from nano_spec.bench_floor import matmul_floor_ms
 from nano_spec.cli import check_threads, read_schema
 from nano_spec.engine.llm import LLM
 from nano_spec.engine.settings import shipped_weights
@@ -135,8 +141,9 @@ def parse_args(argv):
     p.add_argument("--threads", type=int, help="torch threads (default: the engine's rule, see README)")
     p.add_argument("--backend", default="auto")
     p.add_argument("--compile", action="store_true",
-                   help="also run each configuration compiled ('+compiled', LLM(compile=True)), always on backend "
-                        "torch whatever --backend says; speedups stay against eager plain")
+                   help="also run each configuration with its step as one graph ('+compiled', LLM(compile=True)): "
+                        "torch.compile on the CPU (backend torch whatever --backend says), a CUDA graph on CUDA; "
+                        "speedups stay against eager plain")
     p.add_argument("--vs-llama-cpp", metavar="MODEL.gguf",
                    help="also time llama-cpp-python's plain decoding at batch 1 (so --batch must include 1) on "
                         "this GGUF of the same base weights (scripts/export_gguf.py)")
@@ -186,7 +193,9 @@ class Engine:
         self.name = ("plain" if proposer == "none" else f"{proposer} γ={gamma}") + (" +schema" if schema else "") \
             + (" +compiled" if compiled else "")
         self.proposer, self.gamma, self.schema, self.compiled = proposer, gamma, schema, compiled
-        self.llm = LLM(model_dir, backend="torch" if compiled else args.backend, device=args.device, max_batch=batch,
+        cuda = args.device.startswith("cuda") or args.device == "auto" and torch.cuda.is_available()
+        cpu = not cuda  # compiled on the CPU: torch.compile of the references
+        self.llm = LLM(model_dir, backend="torch" if compiled and cpu else args.backend, device=args.device, max_batch=batch,
                        num_drafts=gamma, proposer=proposer, threads=args.threads, compile=compiled)
 
     def generate(self, ids, max_new_tokens):
@@ -199,15 +208,14 @@ class Engine:
         st = self.llm.stats
         steps_s = sum(v for k, v in st["phase_seconds"].items() if k != "prefill")  # what the planner models
         masks = sum(st["phase_histogram_ms"]["mask"])  # engine steps that built grammar masks
-        drafts = sum(st["phase_histogram_ms"]["propose"])  # engine steps that drafted
-        return {"steps_s": steps_s, **{k: st.get(k) for k in ("tau", "accept_at", "gamma_hist", "predicted_speedup")},
+        drafts = sum(st["phase_histogram_ms"]["propose"])  # engine steps that drafted (eager)
+        return {"steps_s": steps_s, "engine_steps": sum(st["phase_histogram_ms"]["copy"]), **{k: st.get(k) for k in ("tau", "accept_at", "gamma_hist", "predicted_speedup")},
                 "propose_ms_per_step": st["phase_seconds"]["propose"] * 1e3 / drafts if drafts else None,
                 "mask_ms_per_step": st["phase_seconds"]["mask"] * 1e3 / masks if masks else None,
                 "grammar_compile_s": st["grammar_compile_seconds"], "compile_s": st["compile_seconds"]}
 
 
 WARM_PASSES = 4
-
 
 def measure(engines, ids, args) -> list:
     """Warm every engine up, then time them in turn, args.repeats rounds (the order rotates).
@@ -224,6 +232,7 @@ def measure(engines, ids, args) -> list:
             if e.llm.runner.compile_seconds() == before:
                 break
     wall, cpu, steps = ({e.name: [] for e in engines} for _ in range(3))  # seconds per round
+    engine_steps = {e.name: [] for e in engines}
     outputs, stats = {}, {}  # of the last round, but steps_s is the median of steps_rounds
     for r in range(args.repeats):
         for e in engines[r % len(engines):] + engines[: r % len(engines)]:
@@ -234,17 +243,25 @@ def measure(engines, ids, args) -> list:
             cpu[e.name].append(time.process_time() - c0)
             stats[e.name] = e.stats()
             steps[e.name].append(stats[e.name]["steps_s"])  # None from transformers
+            engine_steps[e.name].append(stats[e.name].get("engine_steps"))
     print(file=sys.stderr)
+    floor = {e.name: matmul_floor_ms(e.llm, lambda: e.generate(ids, args.max_new_tokens)) for e in engines
+             if isinstance(e, Engine) and not e.compiled and not e.schema}
     rows = []
     for e in engines:
         name = e.name
         tokens, median_wall = sum(map(len, outputs[name])), statistics.median(wall[name])
         steps_s = None if None in steps[name] else statistics.median(steps[name])
+        n = None if steps_s is None else engine_steps[name][steps[name].index(sorted(steps[name])[len(steps[name]) // 2])]
+        step_ms = steps_s * 1e3 / n if n else None  # the median round's
+        floor_ms = floor.get(name.removesuffix(" +compiled"))
         rows.append({"config": name, "proposer": e.proposer, "gamma": e.gamma, "batch": None,
                      "threads": torch.get_num_threads(), "tokens": tokens, "wall_s": median_wall,
                      "cpu_s": statistics.median(cpu[name]), "tokens_per_s": tokens / median_wall,
                      "rounds_s": wall[name], **stats[name], "steps_rounds": steps[name], "outputs": outputs[name],
-                     "steps_s": steps_s, "decode_tokens_per_s": (tokens - len(ids)) / steps_s if steps_s else None})
+                     "steps_s": steps_s, "decode_tokens_per_s": (tokens - len(ids)) / steps_s if steps_s else None,
+                     "step_ms": step_ms, "floor_ms": floor_ms,
+                     "overhead": step_ms / floor_ms if step_ms and floor_ms else None})
     return rows
 
 
@@ -299,7 +316,8 @@ def main(argv=None) -> int:
     print(f"model {model_dir.name}, {len(prompts)} prompts x {args.max_new_tokens} new tokens, greedy, "
           f"median of {args.repeats} interleaved rounds; outputs identical to plain decoding: yes (compiled rows "
           f"to compiled plain{', and that to eager plain' if fp32 else '; bf16 compiled plain is not eager plain'})")
-    print("batch thr config                tokens/s  decode tok/s  wall s   CPU s    tau  speedup  notes")
+    print("batch thr config                tokens/s  decode tok/s  wall s   CPU s    tau  speedup  step ms floor ms "
+          "overhead  notes")
     for r in rows:
         tau = f"{r['tau']:.3f}" if r["tau"] else "-"
         note = ""
@@ -318,8 +336,10 @@ def main(argv=None) -> int:
             note = f"vs plain +schema; mask {r['mask_ms_per_step']:.3f} ms/step, compile " \
                    f"{r['grammar_compile_s'] * 1e3:.1f} ms"
         decode = f"{r['decode_tokens_per_s']:.1f}" if r["decode_tokens_per_s"] else "-"
+        step, floor, over = (f"{r[k]:.3f}" if r.get(k) else "-" for k in ("step_ms", "floor_ms", "overhead"))
         print(f"{r['batch']:>5} {r['threads']:>3} {r['config']:<20} {r['tokens_per_s']:>9.1f} {decode:>13} "
-              f"{r['wall_s']:>7.2f} {r['cpu_s']:>7.2f} {tau:>6} {r['speedup']:>7.2f}x  {note}")
+              f"{r['wall_s']:>7.2f} {r['cpu_s']:>7.2f} {tau:>6} {r['speedup']:>7.2f}x {step:>8} {floor:>8} "
+              f"{over:>8}  {note}")
     print("targets (tokens/s ratios unless named)")
     for name, goal, measure_ in TARGETS:
         value = measure_(table)

@@ -4,7 +4,8 @@
 
 For each K (rows per sequence, batch 1), in one process, interleaved:
   - eager ms: HybridLM.verify as the engine runs it without compile;
-  - compiled ms: the same call through LLM(compile=True)'s compiled verify (its first call's compile time beside);
+  - compiled ms: the same call through torch.compile as the compiled step runs it (nano_spec/engine/graph.py's
+    settings and ops; its first call's compile time beside);
   - matmul floor ms: every linear of the target and the tied lm_head alone, at K rows: the least a step
     that reads every weight once through torch's matmul can cost;
   - stream ms: one pass (a sum) over as many bytes as those weights, what one core's memory bandwidth allows;
@@ -23,7 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
+from nano_spec.engine.graph import compile_fn
 from nano_spec.engine.llm import LLM
+from nano_spec.model.graph_ops import use_graph_ops
 from nano_spec.engine.settings import shipped_weights
 
 
@@ -50,7 +53,9 @@ def main(argv=None):
     # n-gram sizes the caches for K rows and needs no weights of its own
     kw = dict(backend="torch", device="cpu", max_batch=1, proposer="ngram", num_drafts=max(args.k) - 1 or 1,
               dtype=args.dtype)
-    eager, compiled = LLM(str(model), **kw), LLM(str(model), compile=True, **kw)
+    eager, compiled = LLM(str(model), **kw), LLM(str(model), **kw)
+    use_graph_ops(compiled.model.ops, compiled=True)
+    verify = compile_fn(compiled.model.verify)
     torch.set_num_threads(args.threads)  # after LLM(), which may set its own default
     m = eager.model
     weights = [mod.weight for name, mod in m.named_modules()
@@ -64,11 +69,11 @@ def main(argv=None):
             slots, seq_lens = torch.tensor([0]), torch.tensor([32])
             xs = [torch.randn(1, K, w.shape[1], dtype=w.dtype) for w in weights]
             t0 = time.perf_counter()
-            compiled.runner.compiled(ids, slots, seq_lens, compiled.runner.cache, kv_len=32 + K)
+            verify(ids, slots, seq_lens, compiled.runner.cache, 32 + K)
             compile_s = time.perf_counter() - t0
             timed = {
                 "eager": lambda: m.verify(ids, slots, seq_lens, eager.runner.cache, 32 + K),
-                "compiled": lambda: compiled.runner.compiled(ids, slots, seq_lens, compiled.runner.cache, kv_len=32 + K),
+                "compiled": lambda: verify(ids, slots, seq_lens, compiled.runner.cache, 32 + K),
                 "matmul floor": lambda: [F.linear(x, w) for x, w in zip(xs, weights)],
                 "stream": lambda: flat.sum(),
             }

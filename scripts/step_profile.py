@@ -7,7 +7,9 @@ Ops are counted with a TorchDispatchMode around each telemetry phase (one counti
 times come from separate runs without the counter, median per phase call. With --compile every
 row is profiled eager and compiled, and ops are counted from torch.profiler instead, as a
 dispatch mode cannot run inside a compiled graph: the outermost aten and nano_spec ops, plus each
-kernel inductor generated (its kernel profile is on), are one op each. Works on any
+kernel inductor generated (its kernel profile is on), are one op each. Each eager row ends with its
+"matmul floor": the weight matmuls of its device steps replayed alone, ms per step (nano_spec/bench_floor.py),
+beside the step's phases, whose sum it is the floor of. Works on any
 nano_spec checkout that times its phases through `telemetry.phase(name)`, so the same
 script measures two versions of the engine (PYTHONPATH=<other checkout>).
 """
@@ -22,6 +24,7 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from nano_spec.bench_floor import matmul_floor_ms
 from nano_spec.engine.llm import LLM
 from nano_spec.engine.settings import shipped_weights
 from nano_spec.model.sampling import SamplingParams
@@ -78,7 +81,7 @@ def profile(llm, prompts, params, runs: int, counter_type=OpCounter) -> dict:
 
     llm.telemetry.phase = phase
     llm.generate(prompts[:1], SamplingParams(max_new_tokens=4, ignore_eos=True))  # warm-up
-    if llm.runner.compiled is not None:  # every bucket compiled before counting: compile-time ops are not the step's
+    if llm.runner.compiled_calls():  # every bucket compiled before counting: compile-time ops are not the step's
         llm.generate(prompts, params)
     counting = True
     llm.generate(prompts, params)
@@ -124,10 +127,15 @@ def profile_rows(args, model, prompts, params) -> list:
                 llm = LLM(str(model), backend="torch", max_batch=b, num_drafts=g, proposer=kind, compile=compiled)
                 torch.set_num_threads(args.threads)  # after LLM(), which may set its own default
                 mode = "compiled" if compiled else "eager"
-                for name, r in profile(llm, prompts[:b], params, args.runs, counter_type).items():
+                phases = profile(llm, prompts[:b], params, args.runs, counter_type)
+                if not compiled:
+                    phases["matmul floor"] = {"calls": None, "ops_per_call": None, "ms_per_call": matmul_floor_ms(
+                        llm, lambda: llm.generate(prompts[:b], params))}
+                for name, r in phases.items():
                     rows.append({"batch": b, "gamma": g, "proposer": kind, "mode": mode, "phase": name, **r})
-                    print(f"batch {b:>2} γ={g} {kind:<6} {mode:<8} {name:<8} calls {r['calls']:>4}  "
-                          f"ops/call {r['ops_per_call']:>7.1f}  ms/call {r['ms_per_call']:>7.2f}")
+                    counts = "" if r["calls"] is None else \
+                        f"calls {r['calls']:>4}  ops/call {r['ops_per_call']:>7.1f}  "
+                    print(f"batch {b:>2} γ={g} {kind:<6} {mode:<8} {name:<12} {counts:<33}ms/call {r['ms_per_call']:>7.2f}")
     return rows
 
 

@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from helpers import tiny_checkpoint
 
@@ -114,6 +115,34 @@ def test_bench_tiny_setting_json(ckpt, tmp_path):
     assert {(r["proposer"], r["gamma"], r["batch"]) for r in result["rows"]} == {
         (p, g, b) for b in (1, 2) for p, g in [("none", 0), ("mtp", 1), ("mtp", 2), ("mtp", "auto"), ("ngram", 3)]}
     assert "targets" in out and all(r["cpu_s"] > 0 for r in result["rows"])
+
+
+def test_bench_floor_records_every_weight_a_step_reads(ckpt):
+    """The matmul floor of a bench row replays the matmuls of the device steps: a plain step reads every linear
+    weight of the target (the fused q/k/v one, the output layer, the MTP head never), an MTP γ=2 step the MTP
+    head's too."""
+    from nano_spec.bench import Engine
+    from nano_spec.bench_floor import matmul_floor_ms, record
+
+    class Args:
+        backend, device, threads = "torch", "cpu", 1
+
+    for proposer, gamma in [("none", 0), ("mtp", 2)]:
+        engine = Engine(ckpt, proposer, gamma, 1, Args)
+        m = engine.llm.model
+        linears = {n: mod.weight for n, mod in m.named_modules() if isinstance(mod, torch.nn.Linear)}
+        if m.lm_head is None:
+            linears["embed_tokens"] = m.model.embed_tokens.weight  # the tied lm_head
+        linears.update({f"{n}.qkv": mod.qkv_weight for n, mod in m.named_modules() if hasattr(mod, "qkv_weight")})
+        want = {n for n in linears if proposer == "mtp" or not n.startswith("mtp")} - {
+            n for n in linears if n.endswith(("q_proj", "k_proj", "v_proj"))}  # fused into qkv for inference
+        ptrs = {w.untyped_storage().data_ptr(): n for n, w in linears.items()}
+        ids = [engine.llm.tokenizer.encode("def f(x):")]
+        calls, steps = record(engine.llm, lambda: engine.generate(ids, 6))
+        seen = {ptrs[a.untyped_storage().data_ptr()] for _, args, _ in calls for a in args
+                if isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() in ptrs}
+        assert steps == engine.llm.stats["verify_steps"] and matmul_floor_ms(engine.llm, lambda: engine.generate(ids, 6)) > 0
+        assert seen == want, (proposer, seen ^ want)
 
 
 @pytest.fixture(scope="module")

@@ -1,14 +1,16 @@
-"""LLM(compile=True): the verify through torch.compile gives the eager engine's tokens.
+"""The step's modes (nano_spec/engine/graph.py): LLM(compile=True) runs the device step as one torch.compile graph
+per bucket and gives the eager engine's tokens; the step function holds, on the CPU, the conditions a CUDA graph
+capture needs.
 
-One compiled engine per proposer serves every case (its graphs are per bucket, not per request), so the
-whole file compiles the buckets B in {1, 2, 4} x K <= γ_max + 1 of each proposer setting.
+One compiled engine per proposer serves every case (its graphs are per bucket, not per request).
 """
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from helpers import load_script, tiny_checkpoint
 from nano_spec import LLM, SamplingParams
-from nano_spec.model.compiled import bucket
+from nano_spec.engine.graph import bucket
 
 PROMPTS = ["def f(x):", "for i in range(10):\n    print(i)\n", "h", "héllo wörld ✓ héllo", "x = 1\ny = 2\n" * 3]
 GREEDY = SamplingParams(max_new_tokens=16, ignore_eos=True)
@@ -20,6 +22,18 @@ SCHEMA = SamplingParams(max_new_tokens=40, json_schema={"type": "object", "prope
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     return tiny_checkpoint(tmp_path_factory.mktemp("compiled") / "tiny", seed=5)
+
+
+@pytest.fixture(scope="module")
+def dflash_ckpt(tmp_path_factory):
+    from test_dflash import tiny_drafter
+
+    from nano_spec.model.config import ModelConfig
+    from nano_spec.model.weights import save_model
+
+    path = tiny_checkpoint(tmp_path_factory.mktemp("compiled") / "tiny", seed=5)
+    save_model(tiny_drafter(ModelConfig.from_file(path / "config.json"), layers=1, block=4), path / "dflash")
+    return path
 
 
 def tokens(llm, prompts, params):
@@ -40,9 +54,9 @@ def test_compiled_tokens_equal_eager(ckpt, proposer, gamma):
             # the planner learns every eager step's time, and no time of a step that compiled a graph
             assert sum(eager.planner.hist.values()) == eager.scheduler.steps
             assert 0 < sum(compiled.planner.hist.values()) < compiled.scheduler.steps
-    assert compiled.runner.compiled is not None and eager.runner.compiled is None
-    if proposer == "mtp":  # the draft step and the catch-up ran compiled
-        assert all(b.seen for b in compiled.drafter.compiled.values()) and eager.drafter.compiled is None
+    assert compiled.runner.graph.seen and not eager.runner.graph.seen
+    # the greedy and the sampled steps each made their graphs; a step with a grammar ran eager, and made none
+    assert {dict(key[2])["all_greedy"] for key in compiled.runner.graph.seen} == ({True} if gamma == "auto" else {True, False})
 
 
 def test_bf16_compiled_plain_equals_bf16_eager(ckpt):
@@ -76,26 +90,20 @@ def test_compile_flag_checked(ckpt):
         LLM(ckpt, compile="yes", backend="torch", device="cpu")
 
 
-def test_verify_padded_batch_writes_like_row_0(ckpt):
+def test_padded_batch_writes_like_row_0(ckpt):
     """A batch of 3 in a 4-slot engine runs padded to 4 rows: the padding repeats row 0, so the live states of
-    the 3 slots equal the eager verify's and the free slot is untouched."""
-    eager = LLM(ckpt, max_batch=4, backend="torch", device="cpu", max_seq_len=32)
-    compiled = LLM(ckpt, max_batch=4, backend="torch", device="cpu", max_seq_len=32, compile=True)
-    ids = torch.tensor([[3, 4, 5], [6, 7, 8], [9, 10, 11]])
-    slots, seq_lens = torch.tensor([2, 0, 1]), torch.tensor([0, 0, 0])
-    with torch.no_grad():
-        ref = eager.model.verify(ids, slots, seq_lens, eager.runner.cache, 3)
-        out, Bp = compiled.runner.compiled(ids, slots, seq_lens, compiled.runner.cache, kv_len=3)
-    assert Bp == 4
-    torch.testing.assert_close(out, ref)
+    the 3 slots equal the eager engine's and the free slot is untouched."""
+    kw = dict(proposer="mtp", num_drafts=2, max_batch=4, backend="torch", device="cpu", max_seq_len=32)
+    eager, compiled = LLM(ckpt, **kw), LLM(ckpt, compile=True, **kw)
+    for llm in (eager, compiled):  # 5 steps of 3 sequences, none finished: the 3 slots hold them
+        llm.generate(PROMPTS[:3], SamplingParams(max_new_tokens=6, ignore_eos=True))
+    assert {key[3][0][0] for key in compiled.runner.graph.seen} == {(4,)}  # slots (Bp,): every step padded
     e, c = eager.runner.cache, compiled.runner.cache
-    torch.testing.assert_close(c.ssm_state, e.ssm_state)
-    torch.testing.assert_close(c.conv_state, e.conv_state)
-    torch.testing.assert_close(c.k[:, :, :3], e.k[:, :, :3])
-    assert not c.ssm_state[:, 3].any() and not c.k[:, 3].any()
-    torch.testing.assert_close(c.ssm_stash(4, 3)[:, :3], e.ssm_stash(3, 3))
-    torch.testing.assert_close(c.conv_stash(4, 3)[:, :3], e.conv_stash(3, 3))
-    torch.testing.assert_close(c.hidden_stash(3, 3), e.hidden_stash(3, 3))
+    for name in ("ssm_state", "conv_state", "k", "v"):
+        torch.testing.assert_close(getattr(c, name)[:, :3], getattr(e, name)[:, :3], msg=name)
+        assert not getattr(c, name)[:, 3].any(), name  # the free slot: never written
+    torch.testing.assert_close(compiled.drafter.head_out[:3], eager.drafter.head_out[:3])
+    assert not compiled.drafter.k[3].any() and not compiled.drafter.head_out[3].any()
 
 
 def test_compile_profile_script(ckpt, capsys):
@@ -110,8 +118,9 @@ def test_compile_profile_script(ckpt, capsys):
 
 
 def test_step_profile_compiled_rows(ckpt, capsys):
-    """scripts/step_profile.py --compile profiles each row eager and compiled: the same phases, and the compiled
-    verify runs fewer ops (inductor's fused kernels counted one each) than the eager one."""
+    """scripts/step_profile.py --compile profiles each row eager and compiled: eager times the step's parts, compiled
+    the step whole, and the compiled step runs fewer ops (inductor's fused kernels counted one each) than the eager
+    verify alone."""
     import json
 
     (ckpt / "eval_prompts.jsonl").write_text(json.dumps({"prompt": "def f(x):"}) + "\n")
@@ -119,14 +128,16 @@ def test_step_profile_compiled_rows(ckpt, capsys):
                        "--compile"])
     rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     by = {(r["mode"], r["phase"]): r for r in rows}
-    assert {p for m, p in by if m == "eager"} == {p for m, p in by if m == "compiled"} >= {"prefill", "verify"}
-    assert 0 < by["compiled", "verify"]["ops_per_call"] < by["eager", "verify"]["ops_per_call"]
+    assert {p for m, p in by if m == "eager"} >= {"prefill", "verify", "verdict"}
+    assert {p for m, p in by if m == "compiled"} >= {"prefill", "step"}
+    assert 0 < by["compiled", "step"]["ops_per_call"] < by["eager", "verify"]["ops_per_call"]
+    assert by["eager", "matmul floor"]["ms_per_call"] > 0 and ("compiled", "matmul floor") not in by
 
 
 def test_compiled_step_writes_the_caches_where_they_lie(ckpt):
     """The conditions a CUDA graph needs, held on the CPU. Every compiled call is one graph (fullgraph: a graph
     break, which any host sync inside would be, is an error), and nothing copies a cache: no buffer that the
-    generated code of a whole generate (verify, MTP drafting and catch-up, accept rule) allocates comes near
+    generated code of a whole generate (MTP drafting, verify, accept rule, commit, catch-up) allocates comes near
     one layer's KV cache, and every cache buffer keeps its address."""
     import math
     import re
@@ -143,37 +154,65 @@ def test_compiled_step_writes_the_caches_where_they_lie(ckpt):
         _, code = run_and_get_code(tokens, llm, PROMPTS[:2], GREEDY)
     allocated = [math.prod(int(d) for d in dims.split(",") if d.strip()) for src in code
                  for dims in re.findall(r"empty_strided_cpu\(\(([\d, ]+)\)", src)]
-    assert len(code) >= 3 and allocated, len(code)  # the verify, the two MTP calls, the accept rule
+    assert code and allocated, len(code)
     layer_kv = c.k[0].numel()  # (S, L, Hkv, Dh) elements
     assert max(allocated) < layer_kv / 8, (max(allocated), layer_kv)
     assert [t.data_ptr() for t in buffers] == addresses
     assert llm.stats["compile_seconds"] > 0
 
 
-@pytest.mark.parametrize("case", ["greedy", "sampled", "masked-sampled"])
-def test_compiled_accept_rule_equals_eager(case):
-    """The accept rule as CUDA runs it (compiled; on the CPU the engine runs it eager, as it is cheaper there):
-    the same na and tokens as the eager rule for greedy, sampled and grammar-masked rows, at two batch shapes."""
-    from nano_spec.model.compiled import CompiledAcceptRule
-    from nano_spec.model.ops import Ops
-    from nano_spec.model.sampling import BatchSampling, accept_rule
+# ops that wait for the device (a host sync) or upload host data: a CUDA graph capture holds neither
+NOT_IN_A_GRAPH = {"_local_scalar_dense", "nonzero", "is_nonzero", "equal", "item", "lift_fresh", "lift_fresh_copy"}
 
-    ops, rule, g = Ops("torch"), CompiledAcceptRule("cpu"), torch.Generator().manual_seed(3)
-    for B, K, V in [(3, 4, 50), (5, 2, 50)]:
-        logits = torch.randn(B, K, V, generator=g)
-        drafts = torch.where(torch.rand(B, K - 1, generator=g) < 0.6, logits[:, :-1].argmax(-1),
-                             torch.randint(0, V, (B, K - 1), generator=g))
-        nd = torch.randint(0, K, (B,), generator=g)
-        params = [SamplingParams(temperature=0.0 if case == "greedy" or b == 0 else 0.8, top_k=20) for b in range(B)]
-        sampling = BatchSampling.of(params, "cpu")
-        q = None if case == "greedy" else torch.softmax(torch.randn(B, K - 1, V, generator=g), -1)
-        u = None if case == "greedy" else torch.rand(B, K, generator=g)
-        bitmask = torch.randint(-2**31, 2**31 - 1, (B, K, (V + 31) // 32), dtype=torch.int32, generator=g) \
-            if case.startswith("masked") else None
-        want = accept_rule(ops, logits, drafts, nd, sampling, q, u, bitmask)
-        got = rule(ops, logits, drafts, nd, sampling, q, u, bitmask)
-        assert [t.tolist() for t in got] == [t.tolist() for t in want], (case, B, K)
-    assert rule.seconds > 0
+
+class HostTouches(TorchDispatchMode):
+    """Records the ops of NOT_IN_A_GRAPH that run under it, and the tensors every op makes."""
+
+    def __init__(self):
+        super().__init__()
+        self.touches = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in NOT_IN_A_GRAPH:
+            self.touches.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def buffers(llm) -> dict:
+    """Every tensor the runner, its cache and its drafter hold, by name, with its address."""
+    owners = {"runner": llm.runner, "cache": llm.runner.cache, "drafter": llm.drafter}
+    return {f"{o}.{n}": (t, t.data_ptr()) for o, obj in owners.items() for n, t in vars(obj).items()
+            if isinstance(t, torch.Tensor)}
+
+
+@pytest.mark.parametrize("proposer, gamma, params, backend", [
+    ("mtp", 3, GREEDY, "torch"), ("mtp", 3, SAMPLED, "torch"), ("dflash", 3, GREEDY, "torch"),
+    ("ngram", 3, SAMPLED, "torch"), ("none", 0, GREEDY, "torch"), ("mtp", 3, SAMPLED, "triton")],
+    ids=["mtp-greedy", "mtp-sampled", "dflash", "ngram-sampled", "plain", "mtp-sampled-triton"])
+def test_the_step_function_holds_the_capture_conditions(ckpt, dflash_ckpt, proposer, gamma, params, backend):
+    """The device step, the function a CUDA graph captures, run eager on the CPU with the ops as a graph binds them
+    (the sync-free commit on the torch backend; the Triton kernels, interpreted, as the GPU runs them): no op syncs
+    with the host or uploads host data, and every buffer of the runner, its cache and its drafter is the same tensor
+    at the same address after the steps as before (what a graph keeps)."""
+    from nano_spec.model.graph_ops import use_graph_ops
+
+    kw = dict(proposer=proposer, num_drafts=gamma, max_batch=3, backend=backend, device="cpu", max_seq_len=96)
+    llm = LLM(dflash_ckpt if proposer == "dflash" else ckpt, **kw)
+    use_graph_ops(llm.model.ops, compiled=False)
+    mode, step, steps = HostTouches(), llm.runner.graph.fn, []
+
+    def watched(*args, **kw):
+        steps.append(kw["gamma"])
+        with mode:
+            return step(*args, **kw)
+
+    llm.runner.graph.fn = watched
+    before = buffers(llm)
+    want = tokens(LLM(dflash_ckpt if proposer == "dflash" else ckpt, **kw), PROMPTS[:3], params)
+    assert tokens(llm, PROMPTS[:3], params) == want  # the sync-free commit is the same commit
+    assert steps and max(steps) == gamma and mode.touches == []
+    after = buffers(llm)
+    assert after.keys() == before.keys() and all(after[n][0] is t and after[n][1] == p for n, (t, p) in before.items())
 
 
 def test_each_graph_is_announced_before_it_compiles(ckpt):
@@ -185,7 +224,7 @@ def test_each_graph_is_announced_before_it_compiles(ckpt):
     llm.watch_compile(lambda what, n, most, threads: heard.append((what, n, most, llm.runner.compile_seconds())))
     tokens(llm, PROMPTS[:2], GREEDY)
     calls = {c.label: c for c in llm.runner.compiled_calls()}
-    assert {what for what, *_ in heard} == set(calls) == {"verify", "MTP catch-up", "MTP draft step"}
+    assert {what for what, *_ in heard} == set(calls) == {"step"}
     for what, call in calls.items():
         ns = [n for w, n, *_ in heard if w == what]
         assert ns == list(range(1, len(call.seen) + 1)) and all(n <= call.most for n in ns), (what, ns)

@@ -174,13 +174,13 @@ def test_lossless_triton_backend(ckpt):
 
 
 def test_lossless_compiled(ckpt):
-    """compile=True: the verify's tap rows are written inside the compiled graph and the block forward drafts
-    compiled (docs/DESIGN.md §12). Compile takes the torch backend, so plain decoding is on the CPU's torch
-    backend too (CUDA picks triton)."""
+    """compile=True: the block forward, the verify (its tap rows) and the catch-up (the context K/V writes) run in
+    the step's one graph (docs/DESIGN.md §12). Compile takes the torch backend, so plain decoding is on the CPU's
+    torch backend too (CUDA picks triton)."""
     cpu = dict(backend="torch", device="cpu")
     llm, out = generate(ckpt, "dflash", 3, compile=True, **cpu)
     assert out == generate(ckpt, **cpu)[1]
-    assert llm.drafter.compiled.seen and llm.drafter.compiled.seconds > 0
+    assert llm.runner.graph.seen and llm.runner.graph.seconds > 0
 
 
 def test_lossless_under_a_grammar(ckpt):

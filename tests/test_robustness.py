@@ -189,7 +189,7 @@ def test_tiny_temperature_is_greedy(ckpt, temperature):
 def test_interrupt_frees_slots_and_cancels_its_requests(ckpt, alone, monkeypatch, where):
     llm = LLM(ckpt, proposer="mtp", num_drafts=3, max_batch=1)
     owner = {"prefill": llm.model, "catch_up": llm.drafter, "draft": llm.drafter, "verify": llm.model}[where]
-    real = getattr(owner, where if where != "catch_up" else "admit")
+    real = getattr(owner, {"catch_up": "admit", "draft": "draft_rows"}.get(where, where))
 
     def interrupted(*args, **kw):
         raise KeyboardInterrupt

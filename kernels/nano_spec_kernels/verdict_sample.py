@@ -54,7 +54,7 @@ def sampling_probs_ref(logits, temperature, top_k, top_p):
     sorted_l = sorted_l.masked_fill(~keep, float("-inf"))
     sp = sorted_l.softmax(-1)
     keep = keep & (sp.cumsum(-1) - sp < top_p[:, None, None])  # the mass before each token
-    keep[..., 0] = True
+    keep[..., 0].fill_(True)  # the most likely token always (fill_: no host scalar to upload)
     sp = sp.masked_fill(~keep, 0.0)
     sp = sp / sp.sum(-1, keepdim=True)
     return torch.zeros_like(sp).scatter(-1, order, sp)

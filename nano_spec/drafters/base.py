@@ -45,20 +45,21 @@ class VerifiedRows:
     tapped: torch.Tensor | None = None  # (B, K, nT*D) the residual after each layer in the drafter's taps, if any
 
 
-def pick_in_order(seqs, slots, per_slot: BatchSampling, gamma: int, uniforms, logits_of) -> Drafts:
+def pick_in_order(sampling: BatchSampling, gamma: int, uniforms, logits_of, masks: DraftMasks | None = None) -> Drafts:
     """γ drafts picked one position at a time: draft i from logits_of(i, draft i-1) (B, V), drawn with uniforms[:, i]
-    on sampled rows; a constrained row picks under its grammar's mask after the drafts before it (DESIGN §11)."""
-    sampling = per_slot.select(slots, all(s.params.greedy for s in seqs))
+    on sampled rows. With masks (the batch has a grammar: host work, so it runs eager), a constrained row picks under
+    its grammar's mask after the drafts before it (DESIGN §11); the caller closes them."""
     tokens, probs, tok = [], [], None
-    with closing(DraftMasks([s.constraint for s in seqs], [gamma] * len(seqs), slots.device)) as masks:
-        for i in range(gamma):
-            tok, q = sampling.pick(logits_of(i, tok), None if uniforms is None else uniforms[:, i], masks.mask())
-            tokens.append(tok)
-            probs.append(q)
-            if i + 1 < gamma:
-                masks.push(tok, i)
-    nd = torch.tensor(masks.num, device=slots.device) if masks.on else torch.full_like(slots, gamma)
-    return Drafts(torch.stack(tokens, dim=1), nd, None if sampling.all_greedy else torch.stack(probs, dim=1))
+    for i in range(gamma):
+        tok, q = sampling.pick(logits_of(i, tok), None if uniforms is None else uniforms[:, i],
+                               None if masks is None else masks.mask())
+        tokens.append(tok)
+        probs.append(q)
+        if masks is not None and i + 1 < gamma:
+            masks.push(tok, i)
+    tokens = torch.stack(tokens, dim=1)  # (B, γ)
+    nd = torch.tensor(masks.num, device=tok.device) if masks is not None else torch.full_like(tok, gamma)
+    return Drafts(tokens, nd, None if sampling.all_greedy else torch.stack(probs, dim=1))
 
 
 class NoDrafter:
@@ -85,6 +86,34 @@ class Drafter(Protocol):
 
     def catch_up(self, seqs, rows: VerifiedRows, na) -> None:
         """After the accept rule: the step's verified rows, na (B,) the accepted drafts."""
+
+
+class DeviceDrafter:
+    """A drafter whose work is device work over the batch's slots (the MTP head, DFlash). The step runs its
+    `draft_rows` and `catch_up_rows` inside its one graph (nano_spec/engine/graph.py), with the step's sampling
+    settings and KV bound; `draft` and `catch_up`, the Drafter interface, call them from host sequences (and so
+    take a grammar's masks, which no graph can)."""
+    max_drafts: int
+    taps: tuple = ()
+    device: torch.device
+
+    def draft_rows(self, slots, gamma: int, sampling: BatchSampling, uniforms, kv: int, masks=None) -> Drafts:
+        """γ drafts for slots (B,), picked under sampling (the batch's rows), reading at most kv KV rows."""
+        raise NotImplementedError
+
+    def catch_up_rows(self, rows: VerifiedRows, na, kv: int) -> None:
+        """After the accept rule: the step's verified rows and na (B,), reading at most kv KV rows."""
+        raise NotImplementedError
+
+    def draft(self, seqs, gamma: int, uniforms) -> Drafts:
+        slots = torch.tensor([s.slot for s in seqs], device=self.device)
+        sampling = BatchSampling.of([s.params for s in seqs], self.device)
+        kv = max(s.seq_len for s in seqs) + gamma + 1
+        with closing(DraftMasks([s.constraint for s in seqs], [gamma] * len(seqs), self.device)) as masks:
+            return self.draft_rows(slots, gamma, sampling, uniforms, kv, masks if masks.on else None)
+
+    def catch_up(self, seqs, rows: VerifiedRows, na) -> None:
+        self.catch_up_rows(rows, na, max(s.seq_len for s in seqs) + rows.tokens.shape[1])
 
 
 class Checked:

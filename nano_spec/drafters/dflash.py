@@ -2,29 +2,25 @@
 tapped layers drafts a whole block; the verify takes γ of it. Its network is nano_spec/model/dflash.py."""
 import torch
 
-from nano_spec.drafters.base import pick_in_order
-from nano_spec.model.sampling import BatchSampling, SamplingParams
-from nano_spec.model.cache import SlotIds
+from nano_spec.drafters.base import DeviceDrafter, pick_in_order
 from nano_spec.model.dflash import DFlashConfig, DFlashModel
+from nano_spec.model.graph_ops import kv_write
 
 
-class DFlashDrafter:
+class DFlashDrafter(DeviceDrafter):
     """Its state per slot: each drafter layer's context K/V at the committed positions, the block's row 0 (the last
     emitted token) and the context length."""
 
     def __init__(self, net: DFlashModel, target, max_drafts: int, num_slots: int, max_len: int):
         cfg, p = net.cfg, next(target.parameters())  # max_drafts <= Bk - 1: checked in settings
-        self.net, self.target, self.max_drafts = net, target, max_drafts
+        self.net, self.target, self.max_drafts, self.device = net, target, max_drafts, p.device
         self.taps = tuple(cfg.target_layer_ids)  # the runner stashes these layers' rows for catch_up
         shape = (cfg.num_hidden_layers, num_slots, max_len, cfg.num_key_value_heads, cfg.head_dim)
         self.k = torch.zeros(shape, device=p.device, dtype=p.dtype)  # (Ld, S, L, Hkv, Dh), RoPE-rotated
         self.v = torch.zeros_like(self.k)
         self.last = torch.zeros(num_slots, dtype=torch.long, device=p.device)     # (S,) the block's row 0
         self.ctx_len = torch.zeros(num_slots, dtype=torch.long, device=p.device)  # (S,) context rows stored
-        self.sampling = BatchSampling.of([SamplingParams()] * num_slots, p.device)
-        self.slot_ids = SlotIds(p.device)
         self.mask_row = torch.full((cfg.block_size - 1,), cfg.mask_token_id, dtype=torch.long, device=p.device)
-        self.compiled = None  # a Bucketed block forward, once compile() has run
 
     @staticmethod
     def state_bytes(cfg: DFlashConfig, num_slots: int, max_len: int, dtype) -> int:
@@ -35,7 +31,7 @@ class DFlashDrafter:
         c = self.net.context(tapped)
         for i in range(len(self.net.layers)):
             k, v = self.net.context_kv(i, c, positions)
-            self.k[i, slots[:, None], positions], self.v[i, slots[:, None], positions] = k, v
+            kv_write(self.k[i], self.v[i], slots, positions, k, v)  # in place, in a graph too
 
     def admit(self, seq, hidden, first, tapped):
         """The bootstrap: every prompt row's context K/V, so the first block already sees the whole prompt."""
@@ -43,9 +39,8 @@ class DFlashDrafter:
         slot = torch.tensor([seq.slot], device=tapped.device)
         self._store(slot, tapped[None], torch.arange(T, device=tapped.device)[None])
         self.last[seq.slot], self.ctx_len[seq.slot] = first[0], T
-        self.sampling.write(seq.slot, BatchSampling.of([seq.params], tapped.device))
 
-    def catch_up(self, seqs, rows, na):
+    def catch_up_rows(self, rows, na, kv: int):
         """Context K/V of the verified rows at positions seq_len + j; rows past na lie beyond the new context
         length and are overwritten later. The block's row 0 becomes the token emitted after row na."""
         K = rows.tokens.shape[1]
@@ -53,25 +48,12 @@ class DFlashDrafter:
         self.last[rows.slots] = rows.tokens.gather(1, na[:, None])[:, 0]
         self.ctx_len[rows.slots] = rows.seq_lens + na + 1
 
-    def draft(self, seqs, gamma, uniforms):
-        """One block forward; rows 1 .. γ are the drafts, picked in order from its logits (the rest is dropped)."""
-        slots, kv_len = self.slot_ids(seqs), max(s.seq_len for s in seqs)  # context rows read: the longest context
-        logits = self._block(slots, gamma, kv_len) if self.compiled is None else \
-            self.compiled(slots, gamma, kv_len=kv_len)[0]
-        return pick_in_order(seqs, slots, self.sampling, gamma, uniforms, lambda i, prev: logits[:, i])
-
-    def _block(self, slots, gamma: int, kv_len: int):
-        """The block forward of slots (B,) -> the logits of drafts 1 .. γ (B, γ, V)."""
+    def draft_rows(self, slots, gamma: int, sampling, uniforms, kv: int, masks=None):
+        """One block forward over the context rows (at most kv); rows 1 .. γ are the drafts, picked in order from
+        its logits (the rest is dropped)."""
         cfg = self.net.cfg
         ids = torch.cat([self.last[slots, None], self.mask_row.expand(len(slots), -1)], dim=1)  # (B, Bk)
         x = self.target.model.embed_tokens(ids) * cfg.input_embedding_scale
-        h = self.net.draft_hidden(x, slots, self.ctx_len[slots], self.k[:, :, :kv_len], self.v[:, :, :kv_len])
-        return self.target.logits(h[:, 1 : gamma + 1]) * (cfg.output_multiplier * self.target.cfg.logits_scaling)
-
-    def compile(self):
-        """The block forward per bucket (the catch-up's context K/V writes stay eager)."""
-        from nano_spec.model.compiled import Bucketed, static_buffers
-
-        static_buffers(self.k, self.v, self.last, self.ctx_len)
-        S, L = self.k.shape[1:3]
-        self.compiled = Bucketed(self._block, 1, S, L, self.max_drafts, self.k.device, "DFlash block")
+        h = self.net.draft_hidden(x, slots, self.ctx_len[slots], self.k[:, :, :kv], self.v[:, :, :kv])
+        logits = self.target.logits(h[:, 1 : gamma + 1]) * (cfg.output_multiplier * self.target.cfg.logits_scaling)
+        return pick_in_order(sampling, gamma, uniforms, lambda i, prev: logits[:, i], masks)

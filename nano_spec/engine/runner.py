@@ -16,14 +16,13 @@ One step, in the order of nano_spec/reference.py (docs/DESIGN.md §4), with γ d
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from nano_spec.model.cache import HybridCache, SlotIds, cache_len
-from nano_spec.model.compiled import CompiledAcceptRule, Timed, compiled_verify
-from nano_spec.text.grammar import verify_bitmask
 from nano_spec.model.model import HybridLM
-from nano_spec.drafters.base import Drafts, VerifiedRows
 from nano_spec.model.sampling import BatchSampling, SamplingParams, accept_rule, token_logprobs
+from nano_spec.text.grammar import verify_bitmask
+from nano_spec.drafters.base import DeviceDrafter, Drafts, VerifiedRows
+from nano_spec.engine.graph import StepGraph, mode_of
 from nano_spec.engine.telemetry import Telemetry
 
 
@@ -35,6 +34,16 @@ class RowResult:
     tokens: list             # emitted tokens in order: drafts[:na], then the target's pick
     logprobs: list | None    # per token: (logprob, {token: logprob} of the top-n)
     error: str | None        # the sequence ends: non-finite logits, or drafts its drafter got wrong
+
+
+def pack(logits, emitted, na, drafts: Drafts):
+    """(B, 4 + K + γ) long: na, nd, finite, refused, the emitted tokens, the drafts. Only rows 0..na must be
+    finite: padding rows and rows past a rejection are not used."""
+    unused = torch.arange(logits.shape[1], device=na.device) > na[:, None]  # (B, K)
+    finite = (torch.isfinite(logits).all(-1) | unused).all(-1)  # (B,)
+    refused = torch.zeros_like(na) if drafts.refused is None else drafts.refused.long()
+    flags = torch.stack([na, drafts.nd, finite.long(), refused], dim=1)  # (B, 4)
+    return torch.cat([flags, emitted, drafts.tokens], dim=1)
 
 
 class ModelRunner:
@@ -49,12 +58,10 @@ class ModelRunner:
         self.cache = HybridCache(self.cfg, num_slots, cache_len(max_seq_len, self.max_drafts), self.max_drafts + 1,
                                  self.device, self.dtype, self.taps)
         self.slot_ids = SlotIds(self.device)
-        self.compiled = compiled_verify(self.model, self.cache) if compile else None
-        # the accept rule is ~10 small ops: compiled it pays on CUDA (one graph replay), not on the CPU, where
-        # the compiled call's own overhead is more than its ops cost (docs/DESIGN.md §12)
-        self.accept_rule = CompiledAcceptRule(self.device) if compile and self.device.type == "cuda" else accept_rule
-        if compile and hasattr(self.drafter, "compile"):  # its drafting calls, bucketed alike
-            self.drafter.compile()
+        # the device step in the engine's mode, one graph per (batch, γ, greedy or not, KV rows) bucket
+        self.graph = StepGraph(self._device_step, mode_of(compile, self.device), self.model.ops,
+                               lambda name: self.tel.phase(name),  # looked up per call: a profiler may wrap it
+                               num_slots, self.cache.k.shape[2], per_bucket=2 * (self.max_drafts + 1))
         self.generators = [None] * num_slots
         # per-slot device copies, written at admission and advanced on the device after each accept rule,
         # so a step uploads nothing but the batch's slot ids (and those only when the batch changes)
@@ -80,88 +87,113 @@ class ModelRunner:
             sampling = BatchSampling.of([seq.params], self.device)
             self.sampling.write(seq.slot, sampling)
             mask = None if seq.constraint is None else seq.constraint.mask()[None].to(self.device)  # (1, Vw)
-            first, _ = sampling.pick(logits, self._uniforms([seq], 1, sampling, 0), mask)  # draw "first token"
+            u = self._uniforms([seq], 1, sampling.all_greedy)
+            first, _ = sampling.pick(logits, None if u is None else u[:, 0], mask)  # draw "first token"
             self.seq_lens[seq.slot], self.last[seq.slot] = len(seq.tokens), first[0]
         if self.max_drafts:
             with self.tel.phase("catch_up"):
                 self.drafter.admit(seq, hidden, first, tapped)
-        none = self._no_drafts(1)
-        return self._results(logits[:, None], first[:, None], none.nd, none, [seq])[0]
+        logits, emitted = logits[:, None], first[:, None]  # (1, 1, V), (1, 1)
+        return self._results(logits, emitted, pack(logits, emitted, self._no_drafts(1).nd, self._no_drafts(1)),
+                             [seq])[0]
 
     @torch.no_grad()
     def step(self, seqs, gamma: int) -> list:
+        """Host work (random draws, a host drafter's drafts, a grammar's masks), then the device step in the
+        engine's mode (one graph; eager when the batch has a grammar), then the step's one device-to-host copy."""
         B, K, phase = len(seqs), gamma + 1, self.tel.phase
         slots = self.slot_ids(seqs)
-        sampling = self.sampling.select(slots, all(s.params.greedy for s in seqs))
-        drafts = self._no_drafts(B)
-        if gamma:
+        all_greedy = all(s.params.greedy for s in seqs)
+        constrained = any(s.constraint is not None for s in seqs)
+        in_step = gamma > 0 and self.device_drafter and not constrained  # the drafter drafts inside the step
+        u_draft = self._uniforms(seqs, gamma, all_greedy)  # draw "drafts"
+        u_verdict = self._uniforms(seqs, K, all_greedy)    # draw "verdict"
+        drafts, bitmask = self._no_drafts(B), None
+        if gamma and not in_step:
             with phase("propose"):
-                u = self._uniforms(seqs, gamma, sampling)  # draw "drafts"
-                drafts = self.drafter.draft(seqs, gamma, u)
-        with phase("verify"):
-            seq_lens = self.seq_lens[slots]
-            rows = torch.cat([self.last[slots, None], drafts.tokens], dim=1) if gamma else self.last[slots, None]
-            kv_len = max(s.seq_len for s in seqs) + K
-            if self.compiled is None:
-                logits, Bp = self.model.verify(rows, slots, seq_lens, self.cache, kv_len), B
-            else:
-                logits, Bp = self.compiled(rows, slots, seq_lens, self.cache, kv_len=kv_len)  # stashes at Bp rows
-        bitmask = None
-        if any(s.constraint is not None for s in seqs):  # host work only for batches with a grammar
+                drafts = self.drafter.draft(seqs, gamma, u_draft)
+        if constrained:  # host work only for batches with a grammar
             with phase("mask"):
                 bitmask = verify_bitmask([s.constraint for s in seqs], drafts.tokens, drafts.nd)  # (B, K, Vw)
-        with phase("verdict"):
-            u = self._uniforms(seqs, K, sampling)  # draw "verdict"
-            q = drafts.probs if sampling.all_greedy or drafts.probs is not None else \
-                F.one_hot(drafts.tokens, self.cfg.vocab_size).to(torch.float32)  # (B, γ, V); one-hot: deterministic
-            na, emitted = self.accept_rule(self.model.ops, logits, drafts.tokens, drafts.nd, sampling, q, u, bitmask)
+        given = () if in_step else (drafts.tokens, drafts.nd, drafts.probs, drafts.refused)
+        (logits, emitted, na, packed), Bp = self.graph(
+            slots, u_draft, u_verdict, bitmask, *given or (None,) * 4, kv_len=max(s.seq_len for s in seqs) + K,
+            eager=constrained, gamma=gamma, all_greedy=all_greedy, in_step=in_step)
+        if self.max_drafts and not self.device_drafter:  # a host drafter follows every step, γ = 0 ones too
+            with phase("catch_up"):
+                before = self.seq_lens[slots] - na - 1  # (B,) the lengths before the step
+                self.drafter.catch_up(seqs, self._verified(slots, before, emitted, Bp, K), na)
+        with phase("copy"):
+            return self._results(logits, emitted, packed, seqs)
+
+    def _device_step(self, slots, u_draft, u_verdict, bitmask, tokens, nd, probs, refused, *, kv: int, gamma: int,
+                     all_greedy: bool, in_step: bool, phase):
+        """The device part of a step (docs/DESIGN.md §4), one function over buffers allocated once and the inputs
+        above, batch-first: slots (B,), uniforms (B, γ) and (B, K) or None, bitmask (B, K, Vw) or None, and a host
+        drafter's drafts (tokens (B, γ), nd (B,), probs (B, γ, V) or None, refused (B,) or None) unless in_step.
+        kv: the KV rows attention reads; phase(name): a context that times a part (a no-op inside a graph). Returns logits (B, K, V), emitted (B, K), na (B,) and packed (B, 4 + K + γ):
+        na, nd, finite, refused, the emitted tokens and the drafts, for the step's one copy."""
+        K, ops, B, c = gamma + 1, self.model.ops, len(slots), self.cache
+        sampling = self.sampling.select(slots, all_greedy)
+        with phase("propose"):  # 1. drafts: the drafter's (inside the step), or the host's
+            drafts = self.drafter.draft_rows(slots, gamma, sampling, u_draft, kv) if in_step else \
+                Drafts(tokens, nd, probs, refused)
+        with phase("verify"):  # 2. one batched verify of rows [last token | drafts]; stashes written at (B, K)
+            seq_lens = self.seq_lens[slots]  # (B,)
+            rows = torch.cat([self.last[slots, None], drafts.tokens], dim=1)  # (B, K)
+            logits = self.model.verify(rows, slots, seq_lens, c, kv)  # (B, K, V)
+        with phase("verdict"):  # 3. the accept rule; q one-hot where a sampled row's drafts were deterministic
+            q = drafts.probs if all_greedy or drafts.probs is not None else logits.new_zeros(
+                *drafts.tokens.shape, self.cfg.vocab_size, dtype=torch.float32).scatter_(
+                -1, drafts.tokens[..., None], 1.0)  # (B, γ, V); F.one_hot would check the ids with a host sync
+            na, emitted = accept_rule(ops, logits, drafts.tokens, drafts.nd, sampling, q, u_verdict, bitmask)
             self.seq_lens[slots] = seq_lens + na + 1
             self.last[slots] = emitted.gather(1, na[:, None])[:, 0]
-        if gamma:  # a full accept leaves the live state right; with γ = 0 every row is one
+            packed = pack(logits, emitted, na, drafts)  # what the host learns, for the step's one copy
+        if gamma:  # 4. Mamba states back to row na where a draft was rejected (a full accept leaves them right)
             with phase("commit"):
-                c = self.cache
-                self.model.ops.commit_state(c.ssm_state, c.conv_state, c.ssm_stash(Bp, K)[:, :B],
-                                            c.conv_stash(Bp, K)[:, :B], slots, na, na < gamma)
-        if self.max_drafts:  # a drafter that drafts follows every step, γ = 0 ones too
+                ops.commit_state(c.ssm_state, c.conv_state, c.ssm_stash(B, K), c.conv_stash(B, K), slots, na,
+                                 na < gamma)
+        if self.max_drafts and self.device_drafter:  # 5. a device drafter catches up, γ = 0 steps too
             with phase("catch_up"):
-                verified = VerifiedRows(slots, seq_lens, emitted, self.cache.hidden_stash(B, K),
-                                        self.cache.tap_stash(B, K) if self.taps else None)
-                self.drafter.catch_up(seqs, verified, na)
-        with phase("copy"):
-            return self._results(logits, emitted, na, drafts, seqs)
+                self.drafter.catch_up_rows(self._verified(slots, seq_lens, emitted, B, K), na, kv)
+        return logits, emitted, na, packed
+
+    @property
+    def device_drafter(self) -> bool:
+        """The drafter drafts and catches up inside the step (read per step: a test may swap the drafter)."""
+        return isinstance(self.drafter, DeviceDrafter)
 
     def compiled_calls(self) -> list:
-        """This engine's compiled calls (none when eager), each Timed."""
-        parts = [self.compiled, self.accept_rule, getattr(self.drafter, "compiled", None)]
-        parts = [x for p in parts for x in (p.values() if isinstance(p, dict) else [p])]
-        return [p for p in parts if isinstance(p, Timed)]
+        """This engine's graph-making calls: none when eager."""
+        return [] if self.graph.mode == "eager" else [self.graph]
 
     def compile_seconds(self) -> float:
-        """Time spent compiling (or loading from the on-disk cache) the graphs of this engine's compiled calls."""
-        return sum(p.seconds for p in self.compiled_calls())
+        """Time spent making graphs (compiling, loading from the on-disk cache, or capturing)."""
+        return self.graph.seconds
 
     # ---- helpers -------------------------------------------------------------------
     def _no_drafts(self, B: int) -> Drafts:
         """No drafts for B rows: what a γ = 0 step and an admission verify."""
         return Drafts(self.no_drafts.tokens[:B], self.no_drafts.nd[:B], None)
 
-    def _uniforms(self, seqs, n: int, sampling: BatchSampling, column: int | None = None):
+    def _uniforms(self, seqs, n: int, all_greedy: bool):
         """(B, n) uniforms, each row from its sequence's own generator (reproducible per request); None when
-        every row is greedy or n is 0. column: that column only, (B,)."""
-        if sampling.all_greedy or not n:
+        every row is greedy or n is 0."""
+        if all_greedy or not n:
             return None
-        u = torch.stack([torch.rand(n, generator=self.generators[s.slot], device=self.device) for s in seqs])
-        return u if column is None else u[:, column]
+        return torch.stack([torch.rand(n, generator=self.generators[s.slot], device=self.device) for s in seqs])
 
-    def _results(self, logits, emitted, na, drafts: Drafts, seqs) -> list:
+    def _verified(self, slots, seq_lens, emitted, Bp: int, K: int) -> VerifiedRows:
+        """The step's verified rows for a drafter's catch-up; the stashes were written at (Bp, K)."""
+        B = len(slots)
+        return VerifiedRows(slots, seq_lens, emitted, self.cache.hidden_stash(Bp, K)[:B],
+                            self.cache.tap_stash(Bp, K)[:B] if self.taps else None)
+
+    def _results(self, logits, emitted, packed, seqs) -> list:
         """The step's one device-to-host copy: na, nd, finiteness, refusals, emitted tokens, drafts (and the
         logprobs, if asked)."""
-        # only rows 0..na are used (padding rows and rows past a rejection are not): only they must be finite
-        unused = torch.arange(logits.shape[1], device=logits.device) > na[:, None]  # (B, K)
-        finite = (torch.isfinite(logits).all(-1) | unused).all(-1)  # (B,)
-        refused = self.no_drafts.nd[: len(seqs)] if drafts.refused is None else drafts.refused  # (B,)
-        flags = torch.stack([na, drafts.nd, finite, refused], dim=1)  # (B, 4) long
-        packed = torch.cat([flags, emitted, drafts.tokens], dim=1).tolist()
+        packed = packed.tolist()
         top_n = max(s.params.logprobs for s in seqs)
         if top_n:  # chosen (B, K), top values and ids (B, K, n) as host lists
             chosen, top_v, top_i = (t.tolist() for t in token_logprobs(logits, emitted, top_n))

@@ -101,11 +101,12 @@ def resolve_device(device) -> torch.device:
 
 
 def resolve_compile_backend(backend, device: torch.device, compile: bool) -> str:
-    """Compiled, the graphs hold inductor's own kernels (Triton ones on CUDA): "auto" means the references."""
-    backend = resolve_backend("torch" if compile and backend == "auto" else backend, device)
-    if compile and backend != "torch":
-        raise ValueError(f"compile: needs backend='torch' or 'auto', not {backend!r} (inductor writes the "
-                         "compiled kernels; the hand-written Triton ones are not wrapped for it)")
+    """Compiled on the CPU, the graph holds inductor's own kernels: "auto" means the references there. On CUDA
+    compile captures a CUDA graph around whatever the backend runs (our Triton kernels under "auto")."""
+    backend = resolve_backend(backend, device)
+    if compile and device.type != "cuda" and backend != "torch":
+        raise ValueError(f"compile: on the CPU needs backend='torch' or 'auto', not {backend!r} (torch.compile "
+                         "writes the compiled kernels; the Triton ones are not wrapped for it)")
     if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"backend: 'triton' on {device.type} needs the Triton interpreter "
                          "(TRITON_INTERPRET=1 before the first import of the kernels); use backend='torch'")

@@ -16,9 +16,9 @@ import time
 from collections import defaultdict
 from contextlib import contextmanager
 
-# mask: the verify's grammar masks; catch_up: the drafter's, after a verify or over a prompt; copy: the step's
-# one device-to-host copy
-PHASES = ("prefill", "propose", "verify", "mask", "verdict", "commit", "catch_up", "copy")
+# mask: the verify's grammar masks; catch_up: the drafter's, after a verify or over a prompt; step: the device step
+# as one graph (compiled modes; eager times its parts: propose .. catch_up); copy: the step's one device-to-host copy
+PHASES = ("prefill", "propose", "verify", "mask", "verdict", "commit", "catch_up", "step", "copy")
 SEQ_LEN_BUCKETS = (0, 128, 512, 2048, 8192)  # lower edges
 HIST_EDGES_MS = (0.1, 0.3, 1, 3, 10, 30, 100, 300, 1000)  # upper edges; one overflow bucket
 

@@ -1,0 +1,140 @@
+"""How the device part of a step runs (docs/DESIGN.md §12). Nothing else in the package knows which mode runs.
+
+    eager       the step function as Python calls it; the default, and the reference the other modes equal
+    compiled    the function through torch.compile, one graph per bucket (the CPU's mode under LLM(compile=True))
+    cuda_graph  the function captured as a torch.cuda.CUDAGraph per bucket around whatever the ops table holds
+                (our Triton kernels) and the matmuls; replayed from static input buffers (CUDA's mode)
+
+A bucket is (Bp, the step's static arguments, kv): the batch padded up to a power of two (at most the slot count),
+γ and the other static arguments as the step asks, and the KV rows attention reads, the longest sequence after the
+step rounded up to a power of two (at least KV_MIN, at most the cache's length). Padding rows repeat row 0 (same
+slot, same inputs), so they compute and write exactly what row 0 does and no other slot is touched.
+
+The step function, fn(*batched, kv=, **static) -> a tuple of tensors with the batch in dim 0, reads and writes
+only buffers allocated once (static addresses), has no host sync, and takes its host-made inputs (random draws,
+host drafts, grammar masks) as arguments: the conditions a CUDA graph needs, which the tests hold on the CPU.
+"""
+import time
+from collections import Counter
+from contextlib import nullcontext
+
+import torch
+
+from nano_spec.model.graph_ops import use_graph_ops
+
+KV_MIN = 256  # the smallest KV bucket: each bucket is one more graph to make, and a short one saves little
+RECOMPILE_LIMIT = 4096  # graphs of one function over all engines of a process
+MODES = ("eager", "compiled", "cuda_graph")
+
+
+def mode_of(compile: bool, device) -> str:
+    """LLM(compile=...)'s mode on a device: a CUDA graph on CUDA, torch.compile elsewhere."""
+    return "eager" if not compile else "cuda_graph" if torch.device(device).type == "cuda" else "compiled"
+
+
+def bucket(n: int, least: int, most: int) -> int:
+    """n rounded up to a power of two, within [least, most]."""
+    return min(max(1 << (n - 1).bit_length(), least), most)
+
+
+def buckets(least: int, most: int) -> set:
+    """Every bucket of n in [1, most]."""
+    return {bucket(n, least, most) for n in range(1, most + 1)}
+
+
+def compile_fn(fn):
+    """torch.compile of fn with nano_spec's settings. The weights are fixed for an engine's life, so the guards skip
+    the modules' attributes: checking every parameter on each call cost ~0.3 ms. Inductor keeps a fused chain of
+    bf16 ops in fp32 unless told to round after each op as eager does; without that, bf16 compiled logits drift
+    from eager's and greedy tokens part within a few dozen (fp32 is unaffected)."""
+    options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe, "emulate_precision_casts": True}
+    return torch.compile(fn, fullgraph=True, dynamic=False, options=options)
+
+
+def no_phase(name: str):
+    """The step's parts inside a graph: not timed one by one."""
+    return nullcontext()
+
+
+def pad(t, Bp: int):
+    """t (B, ...) padded to Bp rows by repeating row 0; None stays None."""
+    return t if t is None or t.shape[0] == Bp else torch.cat([t, t[:1].expand(Bp - t.shape[0], *t.shape[1:])])
+
+
+class StepGraph:
+    """fn run in one mode: step(*batched, kv_len=, eager=False, **static) -> (fn's outputs cut to B rows, Bp).
+
+    batched: tensors (or None) with the batch in dim 0, padded to Bp; kv_len: the longest sequence after the step,
+    from host values, rounded up to its bucket; eager=True runs this call eager whatever the mode (a batch with host
+    work inside the step: a grammar). What fn writes into buffers is written at Bp rows.
+
+    seconds: the time of the calls that made a graph (compiled it, or captured it); `listener(label, n, most,
+    threads)`, if set, hears of each graph before it is made: its count at this thread count, the most the buckets
+    allow, and the thread count (inductor's CPU code is made for one: another count compiles the graph again)."""
+
+    label = "step"
+
+    def __init__(self, fn, mode: str, ops, phase, num_slots: int, kv_max: int, per_bucket: int):
+        """ops: the Ops fn runs, switched here to the forms a graph of this mode needs (model/graph_ops.py);
+        phase(name): a context that times a part of the step; fn gets it when eager, and a graph's call is
+        timed whole as "step";
+        per_bucket: the graphs one (batch, KV) bucket may take (its static arguments' combinations)."""
+        if mode not in MODES:
+            raise ValueError(f"mode: {mode!r} is not one of {MODES}")
+        if mode != "eager":
+            use_graph_ops(ops, compiled=mode == "compiled")
+        self.fn, self.mode, self.phase, self.num_slots, self.kv_max = fn, mode, phase, num_slots, kv_max
+        self.most = len(buckets(1, num_slots)) * len(buckets(min(KV_MIN, kv_max), kv_max)) * per_bucket
+        self.seconds, self.seen, self.listener = 0.0, set(), None
+        self.calls = Counter()  # bucket key -> calls
+        self.graphs, self.warmed = {}, set()  # cuda_graph: key -> (CUDAGraph, static inputs, outputs); keys run once
+        if mode == "compiled":
+            self.compiled = compile_fn(fn)
+            # dynamo's settings for these calls only, not the process's: every bucket is one more entry of fn's
+            # code object, and a hit limit is an error rather than a silent fall back to eager
+            self.scope = torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True)
+
+    def __call__(self, *batched, kv_len: int, eager: bool = False, **static):
+        B = batched[0].shape[0]
+        if self.mode == "eager" or eager:
+            return self.fn(*batched, kv=min(kv_len, self.kv_max), phase=self.phase, **static), B
+        Bp, kv = bucket(B, 1, self.num_slots), bucket(kv_len, min(KV_MIN, self.kv_max), self.kv_max)
+        batched = [pad(t, Bp) for t in batched]
+        key = (torch.get_num_threads(), kv, tuple(sorted(static.items())),
+               tuple(None if t is None else (tuple(t.shape), t.dtype) for t in batched))
+        self.calls[key] += 1
+        new = key not in self.seen
+        if new and key not in self.warmed and self.listener is not None:
+            self.listener(self.label, 1 + sum(k[0] == key[0] for k in self.seen), self.most, key[0])
+        t0 = time.perf_counter()
+        with self.phase("step"):
+            if self.mode == "compiled":
+                with self.scope:  # ~10 us a call
+                    out = self.compiled(*batched, kv=kv, phase=no_phase, **static)  # a new key compiles (or loads)
+            elif key not in self.warmed:
+                # cuda_graph: a bucket's first call runs eager, so that every kernel it launches is compiled (and
+                # cuBLAS has its workspace) before the capture; a warm-up inside the capture would run the step twice
+                self.warmed.add(key)
+                out = self.fn(*batched, kv=kv, phase=no_phase, **static)
+            else:
+                out = self._replay(key, batched, kv, static)
+        if new:  # a graph in the making: its calls are not the step's cost
+            self.seen.update([key] if self.mode == "compiled" or key in self.graphs else [])
+            self.seconds += time.perf_counter() - t0
+        return tuple(o[:B] for o in out), Bp
+
+    def _replay(self, key, batched, kv, static):
+        """cuda_graph: the bucket's graph, captured on its second call, replayed from its static inputs. Its
+        outputs live in the graph's memory until its next replay: the caller reads them within the step."""
+        if key not in self.graphs:
+            inputs = [None if t is None else t.clone() for t in batched]
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):  # records the launches; nothing runs until the replay
+                out = self.fn(*inputs, kv=kv, phase=no_phase, **static)
+            self.graphs[key] = (graph, inputs, out)
+        graph, inputs, out = self.graphs[key]
+        for buf, t in zip(inputs, batched):
+            if t is not None:
+                buf.copy_(t)
+        graph.replay()
+        return out

@@ -1,0 +1,108 @@
+"""The ops a step graph runs in place of the eager ones (docs/DESIGN.md §12); nano_spec/engine/graph.py binds them.
+
+Under torch.compile the Mamba and attention math of a verify runs in the graph, where inductor fuses it; only
+the cache writes leave it, as opaque custom ops with their writes declared (`mamba_write`, `kv_write`), so the
+graph hands them the cache views and they write in place. Traced instead, a write into a slice of a cache buffer
+becomes a copy of the whole buffer and a copy back, every call. In every graph mode the commit is `commit_state`
+below: commit_state_ref finds the rows that move with a host sync, which no graph may hold.
+"""
+import torch
+from torch import Tensor
+
+from nano_spec_kernels.common import apply_rope_ref, conv_silu_ref, mamba_dt_ref, split_xbc
+
+
+# ---- 1. Mamba: the K-row recurrence in the graph, the writes in one op ------------------------------
+@torch.library.custom_op("nano_spec::mamba_write", mutates_args=("conv_state", "ssm_state", "conv_stash", "ssm_stash"))
+def mamba_write(conv_state: Tensor, ssm_state: Tensor, conv_stash: Tensor, ssm_stash: Tensor, slot_ids: Tensor,
+                window: Tensor, states: Tensor) -> None:
+    """window (B, C, W-1+K) and states (B, K, H, P, N) into the stashes; the live state and conv window of
+    slots slot_ids advance to the last row."""
+    conv_stash.copy_(window)
+    ssm_stash.copy_(states)
+    ssm_state[slot_ids] = states[:, -1]
+    conv_state[slot_ids] = window[:, :, window.shape[2] - conv_state.shape[2]:]
+
+
+mamba_write.register_fake(lambda *args: None)  # writes only: nothing to trace
+
+
+def mamba_verify(xBC, dt, conv_state, ssm_state, slot_ids, conv_weight, conv_bias, dt_bias, A_log, D,
+                 ssm_stash, conv_stash, n_groups: int, dt_limit=(0.0, float("inf"))):
+    """mamba_verify_ref's contract, written for inductor: the recurrence unrolled over the K rows as
+    elementwise ops on (B, H, P, N), which it fuses into one loop nest per row."""
+    Bsz, K, _ = xBC.shape
+    H, P = ssm_state.shape[1], ssm_state.shape[2]
+    window = torch.cat([conv_state[slot_ids], xBC.transpose(1, 2).to(conv_state.dtype)], dim=-1)  # (B, C, W-1+K)
+    x, Bg, Cg = split_xbc(conv_silu_ref(window, conv_weight, conv_bias), H, P, n_groups)  # (B, K, ...)
+    dt = mamba_dt_ref(dt, dt_bias, dt_limit)  # (B, K, H)
+    decay = torch.exp(dt * -torch.exp(A_log.float()))  # (B, K, H)
+    xf = x.float()
+    Bh = Bg.float().repeat_interleave(H // n_groups, dim=2)[:, :, :, None, :]  # (B, K, H, 1, N): group g's B
+    Ch = Cg.float().repeat_interleave(H // n_groups, dim=2)[:, :, :, None, :]
+    state, rows = ssm_state[slot_ids], []  # (B, H, P, N) fp32
+    for j in range(K):  # S_j = exp(dt_j A) S_{j-1} + dt_j x_j ⊗ B_j
+        state = decay[:, j, :, None, None] * state + (dt[:, j, :, None] * xf[:, j])[..., None] * Bh[:, j]
+        rows.append(state)
+    states = torch.stack(rows, dim=1)  # (B, K, H, P, N)
+    y = (states * Ch).sum(-1) + D.float()[:, None] * xf  # y_j = S_j C_j + D x_j
+    mamba_write(conv_state, ssm_state, conv_stash, ssm_stash, slot_ids, window, states)
+    return y.to(xBC.dtype)
+
+
+# ---- 2. attention: the K new rows written in one op, then attention over the slot's rows ------------
+@torch.library.custom_op("nano_spec::kv_write", mutates_args=("k_cache", "v_cache"))
+def kv_write(k_cache: Tensor, v_cache: Tensor, slot_ids: Tensor, pos: Tensor, k: Tensor, v: Tensor) -> None:
+    """Rows k, v (B, K, Hkv, Dh) into the caches (S, L, Hkv, Dh) at slots slot_ids (B,), positions pos (B, K)."""
+    k_cache[slot_ids[:, None], pos] = k
+    v_cache[slot_ids[:, None], pos] = v
+
+
+kv_write.register_fake(lambda *args: None)
+
+
+def attention_verify(q, k, v, k_cache, v_cache, slot_ids, seq_lens, scale: float, rope_theta=None):
+    """attention_verify_ref's contract, written for inductor. The rows are written first and then read back
+    with the rest: reading the cache before a write of it would make inductor keep a copy of the old cache."""
+    Bsz, K, Hq, Dh = q.shape
+    L, Hkv = k_cache.shape[1], k.shape[2]
+    pos = seq_lens[:, None] + torch.arange(K, device=q.device)  # (B, K)
+    kv_write(k_cache, v_cache, slot_ids, pos, apply_rope_ref(k, pos, rope_theta), v)  # k is cached rotated
+    qg = apply_rope_ref(q, pos, rope_theta).float().view(Bsz, K, Hkv, Hq // Hkv, Dh)  # grouped by KV head
+    s = torch.einsum("bqhrd,bkhd->bhrqk", qg, k_cache[slot_ids].float()) * scale  # (B, Hkv, rep, K, L)
+    visible = torch.arange(L, device=q.device)[None, None, :] <= pos[:, :, None]  # (B, K, L)
+    s = s.masked_fill(~visible[:, None, None], float("-inf"))
+    o = torch.einsum("bhrqk,bkhd->bqhrd", s.softmax(-1), v_cache[slot_ids].float())
+    return o.reshape(Bsz, K, Hq, Dh).to(q.dtype)
+
+
+# ---- 3. the commit without a host sync --------------------------------------------------------------
+def commit_rows(ssm_state: Tensor, conv_state: Tensor, ssm_stash: Tensor, conv_stash: Tensor, slot_ids: Tensor,
+                 na: Tensor, active: Tensor) -> None:
+    """commit_state_ref's contract with the rows that move chosen on the device: every row of the batch is
+    written, those that keep their state with their own values (a padded batch's repeated rows write alike)."""
+    L, Bsz, K = ssm_stash.shape[:3]
+    C, Wm1 = conv_state.shape[2], conv_state.shape[3]
+    take = active & (na < K - 1)  # (B,)
+    n = na.clamp(0, K - 1)
+    ssm = ssm_stash[:, torch.arange(Bsz, device=na.device), n]  # (L, B, H, P, N): the state after row na
+    ssm_state[:, slot_ids] = torch.where(take[None, :, None, None, None], ssm, ssm_state[:, slot_ids])
+    cols = n[:, None] + 1 + torch.arange(Wm1, device=na.device)  # (B, W-1): the window after row na
+    conv = conv_stash.gather(-1, cols[None, :, None, :].expand(L, -1, C, -1))  # (L, B, C, W-1)
+    conv_state[:, slot_ids] = torch.where(take[None, :, None, None], conv, conv_state[:, slot_ids])
+
+
+commit_state = torch.library.custom_op("nano_spec::commit_state", mutates_args=("ssm_state", "conv_state"))(commit_rows)
+commit_state.register_fake(lambda *args: None)  # under torch.compile: opaque, writing in place
+
+
+# ---- 4. the ops table of a graph -----------------------------------------------------------------------
+def use_graph_ops(ops, compiled: bool):
+    """ops (an Ops) as a graph runs them: the sync-free commit on the torch backend (the Triton one has none),
+    and under torch.compile the verify's cache-writing ops as written for inductor (above)."""
+    if ops.backend == "torch":
+        ops.commit_state = commit_state if compiled else commit_rows
+    if compiled:
+        if ops.backend != "torch":
+            raise ValueError("compile: torch.compile needs backend='torch' (the Triton kernels are not wrapped for it)")
+        ops.mamba_verify, ops.attention_verify = mamba_verify, attention_verify
