@@ -168,9 +168,7 @@ def run(args) -> int:
               drafter=None if args.no_spec else args.drafter)
     if args.trace:
         llm.on_step = tracer(llm.tokenizer)
-    llm.watch_compile(lambda what, n, most, threads: print(
-        f"compiling: {what}, graph {n}{'' if most is None else f' of at most {most}'} at {threads} thread(s) "
-        "(once per shape bucket; later runs read inductor's on-disk cache)", file=sys.stderr, flush=True))
+    llm.watch_compile(announce)
     t0 = time.perf_counter()
     if run_demo:
         outs = demo(args, llm, params)
@@ -204,6 +202,12 @@ def run(args) -> int:
     return 1 if failed else 0
 
 
+def announce(what: str, n: int, most: int | None, threads: int):
+    """A graph about to be compiled, on stderr."""
+    print(f"compiling: {what}, graph {n}{'' if most is None else f' of at most {most}'} at {threads} thread(s) "
+          "(once per shape bucket; later runs read inductor's on-disk cache)", file=sys.stderr, flush=True)
+
+
 def demo(args, llm, params) -> list:
     """Print the class as the model completes it, drafted tokens coloured on a terminal; then what speculation did,
     against plain decoding of the same prompts, timed in turn with it. Returns the Outputs."""
@@ -214,7 +218,9 @@ def demo(args, llm, params) -> list:
     params, colour = replace(params, stop=("\n\n",)), sys.stdout.isatty() and "NO_COLOR" not in os.environ
     spec = llm.config.max_drafts > 0
     plain = LLM(llm.config.path, backend=args.backend, device=args.device, dtype=args.dtype, threads=args.threads,
-                proposer="none", max_batch=1) if spec else None
+                proposer="none", max_batch=1, compile=args.compile) if spec else None  # the same mode
+    if spec:
+        plain.watch_compile(lambda what, *rest: announce(f"plain decoding's {what}", *rest))
     text, outs, same = DEMO_CLASS, [], True
     for method in DEMO_METHODS:
         o = llm.generate(text + method, params)[0]  # a bad request fails here, before anything is printed
@@ -226,8 +232,9 @@ def demo(args, llm, params) -> list:
         text += method + o.text + "\n\n"
     origins = [x for o in outs for x in o.origins]
     n, drafted, st = len(origins), origins.count("draft"), llm.stats
-    if spec:  # decoding: every phase but the prompts' forward, the same for both (telemetry, docs/DESIGN.md §7)
-        decode = [sum(e.stats["phase_seconds"].values()) - e.stats["phase_seconds"]["prefill"] for e in (llm, plain)]
+    if spec:  # decoding: every phase but the prompts' forward and the making of graphs (docs/DESIGN.md §7, §12)
+        decode = [sum(e.stats["phase_seconds"].values()) - e.stats["phase_seconds"]["prefill"]
+                  - e.stats["compile_seconds"] for e in (llm, plain)]
         print(f"speculation: {n} tokens, {len(outs)} from prefills, the rest in {st['verify_steps']} verify steps "
               f"(tau {st['tau']:.2f}); {drafted} were accepted drafts, {n - drafted} the target's picks",
               file=sys.stderr)
