@@ -51,7 +51,8 @@ def parse_args(argv):
     p.add_argument("--seed", type=int)
     p.add_argument("--backend", choices=["auto", "torch", "triton"], default="auto")
     p.add_argument("--compile", action="store_true",
-                   help="the step's hot calls through torch.compile (backend torch; docs/DESIGN.md §12)")
+                   help="each step as one graph: torch.compile on the CPU (backend torch), a CUDA graph on CUDA "
+                        "(docs/DESIGN.md §12)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", help="float32, bfloat16 or float16 (default: the stored dtype on CUDA, float32 on CPU)")
     p.add_argument("--max-batch", type=int, default=8)

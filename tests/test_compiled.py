@@ -88,6 +88,8 @@ def test_buckets():
 def test_compile_flag_checked(ckpt):
     with pytest.raises(ValueError, match="compile"):
         LLM(ckpt, compile="yes", backend="torch", device="cpu")
+    with pytest.raises(ValueError, match="compile: on the CPU needs backend='torch' or 'auto', not 'triton'"):
+        LLM(ckpt, compile=True, backend="triton", device="cpu")  # torch.compile does not wrap our launchers
 
 
 def test_padded_batch_writes_like_row_0(ckpt):

@@ -48,8 +48,8 @@ class LLM:
     drafter       the DFlash drafter's directory for proposer="dflash"; None: <checkpoint>/dflash/
     threads       torch's intra-op threads, process-wide; None: one for a step too small to split, else chosen
                   from measured steps (nano_spec/engine/threads.py), so busy cores do not stall the engine
-    compile       the step's hot calls through torch.compile, one graph per shape bucket, CUDA graphs on a GPU
-                  (backend 'torch'; nano_spec/model/compiled.py, docs/DESIGN.md §12)
+    compile       the device part of each step as one graph per shape bucket: torch.compile on the CPU (backend
+                  'torch'), a CUDA graph around the Triton kernels on CUDA (nano_spec/engine/graph.py, DESIGN §12)
     on_step       called with a StepReport after every engine step
     backend, device, dtype, max_batch, max_seq_len, memory_budget: as named (None: chosen to fit)
 
@@ -90,9 +90,9 @@ class LLM:
         return self.config.memory_budget
 
     def watch_compile(self, listener):
-        """listener(what, n, most, threads) before each graph of a compiled call compiles: the call ("verify",
-        "MTP catch-up", ...), its nth graph at this CPU thread count, the most graphs its buckets allow (None: no
-        bound), and the thread count (inductor compiles for one). A no-op when eager."""
+        """listener(what, n, most, threads) before each graph of the step is made: the call ("step"), its nth
+        graph at this CPU thread count, the most graphs its buckets allow, and the thread count (inductor
+        compiles for one). A no-op when eager."""
         for call in self.runner.compiled_calls():
             call.listener = listener
 

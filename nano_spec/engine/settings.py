@@ -33,7 +33,7 @@ class EngineConfig:
     device: torch.device
     dtype: torch.dtype
     backend: str                  # "torch" or "triton"
-    compile: bool                 # the step's hot calls through torch.compile (docs/DESIGN.md §12)
+    compile: bool                 # the step as one graph per bucket (docs/DESIGN.md §12)
     max_batch: int                # slots
     drafter: object               # "none", "ngram", "mtp", "dflash", or an outside drafter object
     max_drafts: int               # γ_max (0: plain decoding)

@@ -115,7 +115,7 @@ class HybridLM(nn.Module):
           - one q/k/v GEMM per attention call;
           - on the CPU in fp32, every linear weight and the embedding stored transposed, (in, out) in memory: for the
             few rows of a decode step torch's CPU GEMM streams that layout about 1.5x faster than (out, in)
-            (docs/BENCHMARKS.md, "The compiled step"); bf16 keeps (out, in), which its GEMM (oneDNN) reads faster
+            (docs/BENCHMARKS.md, "The step as one graph"); bf16 keeps (out, in), which its GEMM (oneDNN) reads faster
             (at the 350m shapes the K=1 matmuls take 65 ms against 75 transposed). The tensors keep their shape."""
         w = self.model.embed_tokens.weight
         cpu = w.device.type == "cpu" and w.dtype == torch.float32
