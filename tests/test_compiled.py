@@ -56,7 +56,7 @@ def test_compiled_tokens_equal_eager(ckpt, proposer, gamma):
             assert 0 < sum(compiled.planner.hist.values()) < compiled.scheduler.steps
     assert compiled.runner.graph.seen and not eager.runner.graph.seen
     # the greedy and the sampled steps each made their graphs; a step with a grammar ran eager, and made none
-    assert {dict(key[2])["all_greedy"] for key in compiled.runner.graph.seen} == ({True} if gamma == "auto" else {True, False})
+    assert {dict(key[3])["all_greedy"] for key in compiled.runner.graph.seen} == ({True} if gamma == "auto" else {True, False})
 
 
 def test_bf16_compiled_plain_equals_bf16_eager(ckpt):
@@ -94,18 +94,23 @@ def test_compile_flag_checked(ckpt):
 
 def test_padded_batch_writes_like_row_0(ckpt):
     """A batch of 3 in a 4-slot engine runs padded to 4 rows: the padding repeats row 0, so the live states of
-    the 3 slots equal the eager engine's and the free slot is untouched."""
+    the 3 slots equal the eager engine's and the free slot is untouched; a later batch of 1 runs in the same
+    graphs."""
     kw = dict(proposer="mtp", num_drafts=2, max_batch=4, backend="torch", device="cpu", max_seq_len=32)
     eager, compiled = LLM(ckpt, **kw), LLM(ckpt, compile=True, **kw)
     for llm in (eager, compiled):  # 5 steps of 3 sequences, none finished: the 3 slots hold them
         llm.generate(PROMPTS[:3], SamplingParams(max_new_tokens=6, ignore_eos=True))
-    assert {key[3][0][0] for key in compiled.runner.graph.seen} == {(4,)}  # slots (Bp,): every step padded
+    assert {key[1] for key in compiled.runner.graph.seen} == {4}  # Bp: every step padded
     e, c = eager.runner.cache, compiled.runner.cache
     for name in ("ssm_state", "conv_state", "k", "v"):
         torch.testing.assert_close(getattr(c, name)[:, :3], getattr(e, name)[:, :3], msg=name)
         assert not getattr(c, name)[:, 3].any(), name  # the free slot: never written
     torch.testing.assert_close(compiled.drafter.head_out[:3], eager.drafter.head_out[:3])
     assert not compiled.drafter.k[3].any() and not compiled.drafter.head_out[3].any()
+    # one sequence after them: the graphs made for 4 rows serve it (padded), rather than a new graph for 1
+    made, one = compiled.runner.compile_seconds(), SamplingParams(max_new_tokens=6, ignore_eos=True)
+    assert tokens(compiled, PROMPTS[3:4], one) == tokens(eager, PROMPTS[3:4], one)
+    assert compiled.runner.compile_seconds() == made
 
 
 def test_compile_profile_script(ckpt, capsys):
@@ -215,6 +220,61 @@ def test_the_step_function_holds_the_capture_conditions(ckpt, dflash_ckpt, propo
     assert steps and max(steps) == gamma and mode.touches == []
     after = buffers(llm)
     assert after.keys() == before.keys() and all(after[n][0] is t and after[n][1] == p for n, (t, p) in before.items())
+
+
+class FakeCUDAGraph:
+    """torch.cuda.CUDAGraph's contract on the CPU: what runs inside the capture is recorded, not repeated by the
+    first replay; each later replay runs the recorded call again on the same (static) input tensors and leaves
+    its results in the same output tensors."""
+
+    def __init__(self):
+        self.call, self.out, self.fresh = None, None, False
+
+    def replay(self):
+        if self.fresh:  # the capture itself ran the step once (a real capture runs nothing; its replay does)
+            self.fresh = False
+            return
+        for o, n in zip(self.out, self.call()):
+            o.copy_(n)
+
+
+@pytest.mark.parametrize("proposer, params", [("mtp", GREEDY), ("mtp", SAMPLED), ("ngram", SAMPLED)],
+                         ids=["mtp-greedy", "mtp-sampled", "ngram-sampled"])
+def test_cuda_graph_mode_replays_the_eager_tokens(ckpt, monkeypatch, proposer, params):
+    """The cuda_graph mode's bookkeeping, run on the CPU with a stand-in graph: a bucket's first call runs eager,
+    its second captures, later calls copy their inputs into the captured buffers and replay; the tokens are the
+    eager engine's (batch 3 with slot reuse, a bucket per batch size and γ)."""
+    from contextlib import contextmanager
+
+    from nano_spec.engine.graph import StepGraph
+
+    kw = dict(proposer=proposer, num_drafts=3, max_batch=3, backend="torch", device="cpu", max_seq_len=96)
+    llm, capturing = LLM(ckpt, **kw), []
+    r = llm.runner
+    r.graph = StepGraph(r._device_step, "cuda_graph", r.model.ops, lambda name: r.tel.phase(name), 3,
+                        r.cache.k.shape[2], per_bucket=8)
+    step = r.graph.fn
+
+    def fn(*args, **kw):
+        out = step(*args, **kw)
+        if capturing:  # inside `with torch.cuda.graph(g)`: g records the call and its outputs
+            g = capturing[-1]
+            g.call, g.out, g.fresh = (lambda: step(*args, **kw)), out, True
+        return out
+
+    @contextmanager
+    def capture(g):
+        capturing.append(g)
+        yield
+        capturing.pop()
+
+    r.graph.fn = fn
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeCUDAGraph)
+    monkeypatch.setattr(torch.cuda, "graph", capture)
+    assert tokens(llm, PROMPTS, params) == tokens(LLM(ckpt, **kw), PROMPTS, params)
+    replayed = [k for k in r.graph.graphs if r.graph.calls[k] > 2]
+    assert replayed and set(r.graph.seen) == set(r.graph.graphs) <= r.graph.warmed
+    assert r.graph.seconds > 0
 
 
 def test_each_graph_is_announced_before_it_compiles(ckpt):

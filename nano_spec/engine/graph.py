@@ -9,6 +9,8 @@ A bucket is (Bp, the step's static arguments, kv): the batch padded up to a powe
 γ and the other static arguments as the step asks, and the KV rows attention reads, the longest sequence after the
 step rounded up to a power of two (at least KV_MIN, at most the cache's length). Padding rows repeat row 0 (same
 slot, same inputs), so they compute and write exactly what row 0 does and no other slot is touched.
+A call whose bucket has no graph yet runs in a graph made for more rows or more KV rows, when one exists (the
+smallest such): padding a few steps costs less than making a graph, which on the CPU takes seconds.
 
 The step function, fn(*batched, kv=, **static) -> a tuple of tensors with the batch in dim 0, reads and writes
 only buffers allocated once (static addresses), has no host sync, and takes its host-made inputs (random draws,
@@ -99,9 +101,13 @@ class StepGraph:
         if self.mode == "eager" or eager:
             return self.fn(*batched, kv=min(kv_len, self.kv_max), phase=self.phase, **static), B
         Bp, kv = bucket(B, 1, self.num_slots), bucket(kv_len, min(KV_MIN, self.kv_max), self.kv_max)
+        key = (torch.get_num_threads(), Bp, kv, tuple(sorted(static.items())),
+               tuple(None if t is None else (tuple(t.shape[1:]), t.dtype) for t in batched))
+        if key not in self.seen:  # a graph made for more rows or more KV rows serves: padding costs less than a graph
+            cover = [k for k in self.seen if k[0] == key[0] and k[3:] == key[3:] and k[1] >= Bp and k[2] >= kv]
+            key = min(cover, key=lambda k: (k[1], k[2]), default=key)
+            Bp, kv = key[1], key[2]
         batched = [pad(t, Bp) for t in batched]
-        key = (torch.get_num_threads(), kv, tuple(sorted(static.items())),
-               tuple(None if t is None else (tuple(t.shape), t.dtype) for t in batched))
         self.calls[key] += 1
         new = key not in self.seen
         if new and key not in self.warmed and self.listener is not None:
