@@ -141,6 +141,19 @@ def test_step_profile_compiled_rows(ckpt, capsys):
     assert by["eager", "matmul floor"]["ms_per_call"] > 0 and ("compiled", "matmul floor") not in by
 
 
+def test_graph_check_script(ckpt, capsys):
+    """scripts/graph_check.py on the CPU: the graph engine (torch.compile here; a CUDA graph on a GPU) gives the
+    eager engine's tokens, and a row says so; the replay and kernel columns are CUDA's."""
+    import json
+
+    (ckpt / "eval_prompts.jsonl").write_text(json.dumps({"prompt": "def f(x):"}) + "\n")
+    rc = load_script("graph_check").main(["--model", str(ckpt), "--configs", "none:0", "--prompts", "1",
+                                          "--max-new-tokens", "4", "--rounds", "1", "--device", "cpu"])
+    (row,) = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 0 and row["identical"] and row["mode"] == "compiled" and row["graphs"] >= 1
+    assert row["step ms"] > 0 and row["kernels ms"] is None
+
+
 def test_compiled_step_writes_the_caches_where_they_lie(ckpt):
     """The conditions a CUDA graph needs, held on the CPU. Every compiled call is one graph (fullgraph: a graph
     break, which any host sync inside would be, is an error), and nothing copies a cache: no buffer that the
