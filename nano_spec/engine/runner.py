@@ -5,13 +5,14 @@ sequence. It keeps the target's caches and, per slot, the sequence length, the l
 settings and the request's random generator; the drafter keeps its own state.
 
 One step, in the order of nano_spec/reference.py (docs/DESIGN.md §4), with γ drafts per sequence and K = γ + 1 rows:
-    1. the drafter drafts             drafts (B, γ), nd (B,)
-    2. one batched verify            rows [last token | drafts] -> logits (B, K, V), stashes written
-    3. grammar masks                 the constrained rows' masks after each draft prefix
-    4. the accept rule               na (B,), emitted (B, K)
-    5. commit                        Mamba states back to row na where a draft was rejected (one launch)
-    6. the drafter catches up         on the verified rows, up to row na
-    7. one device-to-host copy       the RowResults
+    host    random draws; a host drafter's drafts; a grammar's masks after each draft prefix
+    device  (_device_step, one function; nano_spec/engine/graph.py runs it eager, compiled or as a CUDA graph)
+      1. a device drafter drafts     drafts (B, γ), nd (B,)
+      2. one batched verify          rows [last token | drafts] -> logits (B, K, V), stashes written
+      3. the accept rule             na (B,), emitted (B, K); seq_len and the last token advance
+      4. commit                      Mamba states back to row na where a draft was rejected (one launch)
+      5. a device drafter catches up on the verified rows, up to row na
+    host    a host drafter catches up; one device-to-host copy: the RowResults
 """
 from dataclasses import dataclass
 
