@@ -1,7 +1,7 @@
 """The ops a step graph runs in place of the eager ones (docs/DESIGN.md §12); nano_spec/engine/graph.py binds them.
 
 Under torch.compile the Mamba and attention math of a verify runs in the graph, where inductor fuses it; only
-the cache writes leave it, as opaque custom ops with their writes declared (`mamba_write`, `kv_write`), so the
+the cache writes leave it, as opaque operators with their writes declared (`mamba_write`, `kv_write`), so the
 graph hands them the cache views and they write in place. Traced instead, a write into a slice of a cache buffer
 becomes a copy of the whole buffer and a copy back, every call. In every graph mode the commit is `commit_state`
 below: commit_state_ref finds the rows that move with a host sync, which no graph may hold.
@@ -12,7 +12,7 @@ from torch import Tensor
 from nano_spec_kernels.common import apply_rope_ref, conv_silu_ref, mamba_dt_ref, split_xbc
 
 
-LIB = torch.library.Library("nano_spec", "FRAGMENT")  # the write ops below, defined once per process
+LIB = torch.library.Library("nano_spec", "FRAGMENT")  # holds the write ops below: dropped, it would unregister them
 
 
 def write_op(schema: str):
