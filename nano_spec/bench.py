@@ -41,7 +41,7 @@ from nano_spec.bench_baselines import LlamaCpp, Transformers
 from nano_spec.bench_floor import matmul_floor_ms
 from nano_spec.cli import check_threads, read_schema
 from nano_spec.engine.llm import LLM
-from nano_spec.engine.settings import shipped_weights
+from nano_spec.engine.settings import resolve_device, shipped_weights
 from nano_spec.model.sampling import SamplingParams
 
 # the README's benchmark targets: (row, goal, measured value from {batch: {config: row}}); all are "value >= goal"
@@ -193,10 +193,9 @@ class Engine:
         self.name = ("plain" if proposer == "none" else f"{proposer} γ={gamma}") + (" +schema" if schema else "") \
             + (" +compiled" if compiled else "")
         self.proposer, self.gamma, self.schema, self.compiled = proposer, gamma, schema, compiled
-        cuda = args.device.startswith("cuda") or args.device == "auto" and torch.cuda.is_available()
-        cpu = not cuda  # compiled on the CPU: torch.compile of the references
-        self.llm = LLM(model_dir, backend="torch" if compiled and cpu else args.backend, device=args.device, max_batch=batch,
-                       num_drafts=gamma, proposer=proposer, threads=args.threads, compile=compiled)
+        cpu = resolve_device(args.device).type == "cpu"  # compiled on the CPU: torch.compile of the references
+        self.llm = LLM(model_dir, backend="torch" if compiled and cpu else args.backend, device=args.device,
+                       max_batch=batch, num_drafts=gamma, proposer=proposer, threads=args.threads, compile=compiled)
 
     def generate(self, ids, max_new_tokens):
         self.llm.telemetry.reset()  # the planner keeps learning across rounds, as in a server
@@ -209,13 +208,15 @@ class Engine:
         steps_s = sum(v for k, v in st["phase_seconds"].items() if k != "prefill")  # what the planner models
         masks = sum(st["phase_histogram_ms"]["mask"])  # engine steps that built grammar masks
         drafts = sum(st["phase_histogram_ms"]["propose"])  # engine steps that drafted (eager)
-        return {"steps_s": steps_s, "engine_steps": sum(st["phase_histogram_ms"]["copy"]), **{k: st.get(k) for k in ("tau", "accept_at", "gamma_hist", "predicted_speedup")},
+        return {"steps_s": steps_s, "engine_steps": sum(st["phase_histogram_ms"]["copy"]),  # one copy a step
+                **{k: st.get(k) for k in ("tau", "accept_at", "gamma_hist", "predicted_speedup")},
                 "propose_ms_per_step": st["phase_seconds"]["propose"] * 1e3 / drafts if drafts else None,
                 "mask_ms_per_step": st["phase_seconds"]["mask"] * 1e3 / masks if masks else None,
                 "grammar_compile_s": st["grammar_compile_seconds"], "compile_s": st["compile_seconds"]}
 
 
 WARM_PASSES = 4
+
 
 def measure(engines, ids, args) -> list:
     """Warm every engine up, then time them in turn, args.repeats rounds (the order rotates).
@@ -252,7 +253,8 @@ def measure(engines, ids, args) -> list:
         name = e.name
         tokens, median_wall = sum(map(len, outputs[name])), statistics.median(wall[name])
         steps_s = None if None in steps[name] else statistics.median(steps[name])
-        n = None if steps_s is None else engine_steps[name][steps[name].index(sorted(steps[name])[len(steps[name]) // 2])]
+        median_round = None if steps_s is None else steps[name].index(sorted(steps[name])[len(steps[name]) // 2])
+        n = None if median_round is None else engine_steps[name][median_round]
         step_ms = steps_s * 1e3 / n if n else None  # the median round's
         floor_ms = floor.get(name.removesuffix(" +compiled"))
         rows.append({"config": name, "proposer": e.proposer, "gamma": e.gamma, "batch": None,

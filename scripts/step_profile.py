@@ -135,7 +135,8 @@ def profile_rows(args, model, prompts, params) -> list:
                     rows.append({"batch": b, "gamma": g, "proposer": kind, "mode": mode, "phase": name, **r})
                     counts = "" if r["calls"] is None else \
                         f"calls {r['calls']:>4}  ops/call {r['ops_per_call']:>7.1f}  "
-                    print(f"batch {b:>2} γ={g} {kind:<6} {mode:<8} {name:<12} {counts:<33}ms/call {r['ms_per_call']:>7.2f}")
+                    print(f"batch {b:>2} γ={g} {kind:<6} {mode:<8} {name:<12} {counts:<33}"
+                          f"ms/call {r['ms_per_call']:>7.2f}")
     return rows
 
 

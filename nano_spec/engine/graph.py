@@ -89,6 +89,7 @@ class StepGraph:
         self.most = len(buckets(1, num_slots)) * len(buckets(min(KV_MIN, kv_max), kv_max)) * per_bucket
         self.seconds, self.seen, self.listener = 0.0, set(), None
         self.calls = Counter()  # bucket key -> calls
+        self.route = {}  # bucket key without a graph -> the key of the graph that serves it
         self.graphs, self.warmed = {}, set()  # cuda_graph: key -> (CUDAGraph, static inputs, outputs); keys run once
         if mode == "compiled":
             self.compiled = compile_fn(fn)
@@ -104,8 +105,10 @@ class StepGraph:
         key = (torch.get_num_threads(), Bp, kv, tuple(sorted(static.items())),
                tuple(None if t is None else (tuple(t.shape[1:]), t.dtype) for t in batched))
         if key not in self.seen:  # a graph made for more rows or more KV rows serves: padding costs less than a graph
-            cover = [k for k in self.seen if k[0] == key[0] and k[3:] == key[3:] and k[1] >= Bp and k[2] >= kv]
-            key = min(cover, key=lambda k: (k[1], k[2]), default=key)
+            if key not in self.route:  # looked up once per key while no graph is made
+                cover = [k for k in self.seen if k[0] == key[0] and k[3:] == key[3:] and k[1] >= Bp and k[2] >= kv]
+                self.route[key] = min(cover, key=lambda k: (k[1], k[2]), default=key)
+            key = self.route[key]
             Bp, kv = key[1], key[2]
         batched = [pad(t, Bp) for t in batched]
         self.calls[key] += 1
@@ -125,7 +128,9 @@ class StepGraph:
             else:
                 out = self._replay(key, batched, kv, static)
         if new:  # a graph in the making: its calls are not the step's cost
-            self.seen.update([key] if self.mode == "compiled" or key in self.graphs else [])
+            if self.mode == "compiled" or key in self.graphs:
+                self.seen.add(key)
+                self.route.clear()  # a new graph may serve keys routed elsewhere
             self.seconds += time.perf_counter() - t0
         return tuple(o[:B] for o in out), Bp
 

@@ -94,9 +94,8 @@ class ModelRunner:
         if self.max_drafts:
             with self.tel.phase("catch_up"):
                 self.drafter.admit(seq, hidden, first, tapped)
-        logits, emitted = logits[:, None], first[:, None]  # (1, 1, V), (1, 1)
-        return self._results(logits, emitted, pack(logits, emitted, self._no_drafts(1).nd, self._no_drafts(1)),
-                             [seq])[0]
+        logits, emitted, none = logits[:, None], first[:, None], self._no_drafts(1)  # (1, 1, V), (1, 1)
+        return self._results(logits, emitted, pack(logits, emitted, none.nd, none), [seq])[0]
 
     @torch.no_grad()
     def step(self, seqs, gamma: int) -> list:
@@ -132,8 +131,9 @@ class ModelRunner:
         """The device part of a step (docs/DESIGN.md §4), one function over buffers allocated once and the inputs
         above, batch-first: slots (B,), uniforms (B, γ) and (B, K) or None, bitmask (B, K, Vw) or None, and a host
         drafter's drafts (tokens (B, γ), nd (B,), probs (B, γ, V) or None, refused (B,) or None) unless in_step.
-        kv: the KV rows attention reads; phase(name): a context that times a part (a no-op inside a graph). Returns logits (B, K, V), emitted (B, K), na (B,) and packed (B, 4 + K + γ):
-        na, nd, finite, refused, the emitted tokens and the drafts, for the step's one copy."""
+        kv: the KV rows attention reads; phase(name): a context that times a part (a no-op inside a graph).
+        Returns logits (B, K, V), emitted (B, K), na (B,) and packed (B, 4 + K + γ): na, nd, finite, refused, the
+        emitted tokens and the drafts, for the step's one copy."""
         K, ops, B, c = gamma + 1, self.model.ops, len(slots), self.cache
         sampling = self.sampling.select(slots, all_greedy)
         with phase("propose"):  # 1. drafts: the drafter's (inside the step), or the host's
