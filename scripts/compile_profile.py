@@ -6,8 +6,10 @@ For each K (rows per sequence, batch 1), in one process, interleaved:
   - eager ms: HybridLM.verify as the engine runs it without compile;
   - compiled ms: the same call through torch.compile as the compiled step runs it (nano_spec/engine/graph.py's
     settings and ops; its first call's compile time beside);
-  - matmul floor ms: every linear of the target and the tied lm_head alone, at K rows: the least a step
-    that reads every weight once through torch's matmul can cost;
+  - matmul floor ms: every linear of the target and the tied lm_head alone, at K rows, through ATen's GEMM (what
+    eager runs): the least an eager step can cost;
+  - gemm floor ms: the same matmuls compiled as the compiled call's are (--gemm: inductor's C++ GEMM template over
+    frozen weights, or ATen's): the least a compiled step can cost;
   - stream ms: one pass (a sum) over as many bytes as those weights, what one core's memory bandwidth allows;
 then the compiled call's ops by self CPU time (torch.profiler), per call.
 
@@ -24,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-from nano_spec.engine.graph import compile_fn
+from nano_spec.engine.graph import compile_fn, gemm_template
 from nano_spec.engine.llm import LLM
 from nano_spec.model.graph_ops import use_graph_ops
 from nano_spec.engine.settings import shipped_weights
@@ -37,6 +39,17 @@ def mean_ms(fn, calls: int) -> float:
     return (time.perf_counter() - t0) / calls * 1e3
 
 
+class Linears(torch.nn.Module):
+    """The weights' matmuls alone, as parameters (frozen into a compiled graph as the model's are)."""
+
+    def __init__(self, weights):
+        super().__init__()
+        self.weights = torch.nn.ParameterList(torch.nn.Parameter(w, requires_grad=False) for w in weights)
+
+    def forward(self, xs):
+        return [F.linear(x, w) for x, w in zip(xs, self.weights)]
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", help="checkpoint directory (default: the shipped weights)")
@@ -46,6 +59,9 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds; medians are reported")
     p.add_argument("--calls", type=int, default=20, help="calls per round")
     p.add_argument("--top", type=int, default=8, help="ops listed from the compiled call's profile")
+    p.add_argument("--gemm", choices=["auto", "template", "aten"], default="auto",
+                   help="the compiled call's matmuls: inductor's C++ GEMM template or ATen's (auto: as the engine "
+                        "chooses, by the weights' size)")
     args = p.parse_args(argv)
     if min(args.k) < 1 or args.rounds < 1 or args.calls < 1:
         p.error("--k, --rounds and --calls must be at least 1")
@@ -55,7 +71,9 @@ def main(argv=None):
               dtype=args.dtype)
     eager, compiled = LLM(str(model), **kw), LLM(str(model), **kw)
     use_graph_ops(compiled.model.ops, compiled=True)
-    verify = compile_fn(compiled.model.verify)
+    template = gemm_template(sum(p.numel() * p.element_size() for p in compiled.model.parameters())) \
+        if args.gemm == "auto" else args.gemm == "template"
+    verify = compile_fn(compiled.model.verify, template)
     torch.set_num_threads(args.threads)  # after LLM(), which may set its own default
     m = eager.model
     weights = [mod.weight for name, mod in m.named_modules()
@@ -68,6 +86,8 @@ def main(argv=None):
             ids = torch.randint(0, m.cfg.vocab_size, (1, K))
             slots, seq_lens = torch.tensor([0]), torch.tensor([32])
             xs = [torch.randn(1, K, w.shape[1], dtype=w.dtype) for w in weights]
+            gemm = compile_fn(Linears(weights), template)
+            gemm(xs)
             t0 = time.perf_counter()
             verify(ids, slots, seq_lens, compiled.runner.cache, 32 + K)
             compile_s = time.perf_counter() - t0
@@ -75,13 +95,14 @@ def main(argv=None):
                 "eager": lambda: m.verify(ids, slots, seq_lens, eager.runner.cache, 32 + K),
                 "compiled": lambda: verify(ids, slots, seq_lens, compiled.runner.cache, 32 + K),
                 "matmul floor": lambda: [F.linear(x, w) for x, w in zip(xs, weights)],
+                "gemm floor": lambda: gemm(xs),
                 "stream": lambda: flat.sum(),
             }
             ms = {name: [] for name in timed}
             for _ in range(args.rounds):
                 for name, fn in timed.items():
                     ms[name].append(mean_ms(fn, args.calls))
-            row = {"K": K, "dtype": args.dtype, "compile_s": compile_s, "weight_MiB": nbytes / 2**20,
+            row = {"K": K, "dtype": args.dtype, "gemm": "template" if template else "aten", "compile_s": compile_s, "weight_MiB": nbytes / 2**20,
                    **{f"{n} ms": statistics.median(v) for n, v in ms.items()}}
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 for _ in range(args.calls):
@@ -90,9 +111,10 @@ def main(argv=None):
             row["compiled_ops"] = [{"op": e.key, "calls_per_step": e.count / args.calls,
                                     "self_ms_per_step": e.self_cpu_time_total / 1e3 / args.calls} for e in top]
             rows.append(row)
-            print(f"K={K}: eager {row['eager ms']:.2f} ms, compiled {row['compiled ms']:.2f} ms "
+            print(f"K={K} ({row['gemm']} GEMM): eager {row['eager ms']:.2f} ms, compiled {row['compiled ms']:.2f} ms "
                   f"(first call {compile_s:.1f} s), matmul floor {row['matmul floor ms']:.2f} ms "
                   f"({nbytes / row['matmul floor ms'] / 1e6:.1f} GB/s over {row['weight_MiB']:.1f} MiB of weights), "
+                  f"gemm floor {row['gemm floor ms']:.2f} ms ({nbytes / row['gemm floor ms'] / 1e6:.1f} GB/s), "
                   f"stream {row['stream ms']:.2f} ms ({nbytes / row['stream ms'] / 1e6:.1f} GB/s)")
             for op in row["compiled_ops"]:
                 print(f"    {op['op'][:48]:<48} {op['calls_per_step']:>6.1f} calls  {op['self_ms_per_step']:>7.3f} ms")

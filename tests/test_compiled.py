@@ -113,15 +113,33 @@ def test_padded_batch_writes_like_row_0(ckpt):
     assert compiled.runner.compile_seconds() == made
 
 
+def test_gemm_template_tokens_equal_eager(ckpt, monkeypatch):
+    """Weights past graph.TEMPLATE_FROM run their matmuls in inductor's C++ GEMM template over frozen weights (the
+    tiny model's are set past it here): MTP γ = 3 tokens at batch 1 and 3 with slot reuse, greedy and seeded
+    sampling, equal eager's; and a threshold above the weights leaves the template out."""
+    from nano_spec.engine import graph
+
+    kw = dict(proposer="mtp", num_drafts=3, max_batch=3, backend="torch", device="cpu", max_seq_len=96)
+    eager = LLM(ckpt, **kw)
+    assert not LLM(ckpt, compile=True, **kw).runner.graph.template  # the tiny model's weights fit in a cache
+    monkeypatch.setattr(graph, "TEMPLATE_FROM", 0)
+    compiled = LLM(ckpt, compile=True, **kw)
+    assert compiled.runner.graph.template
+    for prompts, params in [(PROMPTS[:1], GREEDY), (PROMPTS, GREEDY), (PROMPTS, SAMPLED)]:
+        assert tokens(compiled, prompts, params) == tokens(eager, prompts, params), (len(prompts), params)
+
+
 def test_compile_profile_script(ckpt, capsys):
     """scripts/compile_profile.py on the tiny model: the step's matmuls alone cost less than the whole eager verify
-    that contains them, and the compiled call's profile lists its matmuls."""
+    that contains them, and the compiled call runs its matmuls inside the graph (inductor's C++ GEMM over the frozen
+    weights), none through ATen."""
     import json
 
-    load_script("compile_profile").main(["--model", str(ckpt), "--k", "2", "--rounds", "3", "--calls", "3", "--top", "40"])
+    load_script("compile_profile").main(["--model", str(ckpt), "--k", "2", "--rounds", "3", "--calls", "3", "--top", "40",
+                                         "--gemm", "template"])
     (row,) = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert 0 < row["matmul floor ms"] < row["eager ms"] and row["compiled ms"] > 0 and row["K"] == 2
-    assert any(op["op"] == "aten::mm" for op in row["compiled_ops"])
+    assert row["compiled_ops"] and not any(op["op"] in ("aten::mm", "aten::addmm") for op in row["compiled_ops"])
 
 
 def test_step_profile_compiled_rows(ckpt, capsys):

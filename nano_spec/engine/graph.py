@@ -18,7 +18,7 @@ host drafts, grammar masks) as arguments: the conditions a CUDA graph needs, whi
 """
 import time
 from collections import Counter
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -27,6 +27,7 @@ from nano_spec.model.graph_ops import use_graph_ops
 KV_MIN = 256  # the smallest KV bucket: each bucket is one more graph to make, and a short one saves little
 RECOMPILE_LIMIT = 4096  # graphs of one function over all engines of a process
 MODES = ("eager", "compiled", "cuda_graph")
+TEMPLATE_FROM = 64 << 20  # weight bytes from which a compiled graph's matmuls use the C++ GEMM template
 
 
 def mode_of(compile: bool, device) -> str:
@@ -44,13 +45,52 @@ def buckets(least: int, most: int) -> set:
     return {bucket(n, least, most) for n in range(1, most + 1)}
 
 
-def compile_fn(fn):
-    """torch.compile of fn with nano_spec's settings. The weights are fixed for an engine's life, so the guards skip
-    the modules' attributes: checking every parameter on each call cost ~0.3 ms. Inductor keeps a fused chain of
-    bf16 ops in fp32 unless told to round after each op as eager does; without that, bf16 compiled logits drift
-    from eager's and greedy tokens part within a few dozen (fp32 is unaffected)."""
+def gemm_template(weight_bytes: int) -> bool:
+    """Whether a compiled graph's matmuls by a weight run in inductor's C++ GEMM template, chosen once per engine
+    by the weights' size. The template packs each weight at compile time and reads it once for any row count,
+    where ATen's GEMM copies the blocks it reads on every call: at the 350m shape 4 rows cost ~1.2x one row
+    against 2.3x (docs/BENCHMARKS.md, "K rows"). It pays at every size (the shipped weights' compiled verify:
+    1.87 against 3.23 ms at K = 1), but a graph takes about twice as long to make; below TEMPLATE_FROM, where
+    compile time outweighs the steps of a short run, ATen's GEMM stays."""
+    return weight_bytes >= TEMPLATE_FROM
+
+
+def compile_fn(fn, template: bool = False):
+    """torch.compile of fn with nano_spec's settings, which each call runs under (a call may compile).
+      - The weights are fixed for an engine's life, so the guards skip the modules' attributes: checking every
+        parameter on each call cost ~0.3 ms.
+      - Inductor keeps a fused chain of bf16 ops in fp32 unless told to round after each op as eager does; without
+        that, bf16 compiled logits drift from eager's and greedy tokens part within a few dozen (fp32 is unaffected).
+      - template: the weights are frozen into the graph (`freezing`: read under no_grad, they become constants)
+        and every matmul by a weight is inductor's C++ GEMM template (`max_autotune` with the CPP backend alone, so
+        nothing is benchmarked), which packs the weight into column blocks at compile time and reads it once
+        whatever the row count. A graph holds its own packed copy of the weights.
+      - Dynamo's settings are these calls', not the process's: every bucket is one more entry of fn's code object,
+        and a hit limit is an error rather than a silent fall back to eager."""
     options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe, "emulate_precision_casts": True}
-    return torch.compile(fn, fullgraph=True, dynamic=False, options=options)
+    compiled = torch.compile(fn, fullgraph=True, dynamic=False, options=options)
+    dynamo = torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True)
+    # read by dynamo while it traces (a frozen weight is not lifted to an input), so not a torch.compile option
+    inductor = torch._inductor.config.patch(freezing=True, max_autotune=True, max_autotune_gemm_backends="CPP") \
+        if template else nullcontext()
+
+    def call(*args, **kwargs):
+        with dynamo, inductor, onednn_off() if template else nullcontext():  # ~20 us a call
+            return compiled(*args, **kwargs)
+    return call
+
+
+@contextmanager
+def onednn_off():
+    """oneDNN off while a graph may be made: with it on, freezing also packs each weight for MKL or oneDNN, a copy
+    the GEMM template never reads and inductor's on-disk cache cannot store (every run would compile again).
+    A graph's own code calls neither library."""
+    before = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = False
+    try:
+        yield
+    finally:
+        torch.backends.mkldnn.enabled = before
 
 
 def no_phase(name: str):
@@ -76,26 +116,26 @@ class StepGraph:
 
     label = "step"
 
-    def __init__(self, fn, mode: str, ops, phase, num_slots: int, kv_max: int, per_bucket: int):
+    def __init__(self, fn, mode: str, ops, phase, num_slots: int, kv_max: int, per_bucket: int,
+                 template: bool = False):
         """ops: the Ops fn runs, switched here to the forms a graph of this mode needs (model/graph_ops.py);
         phase(name): a context that times a part of the step; fn gets it when eager, and a graph's call is
         timed whole as "step";
-        per_bucket: the graphs one (batch, KV) bucket may take (its static arguments' combinations)."""
+        per_bucket: the graphs one (batch, KV) bucket may take (its static arguments' combinations);
+        template: compiled, the weights' matmuls in inductor's C++ GEMM template (gemm_template)."""
         if mode not in MODES:
             raise ValueError(f"mode: {mode!r} is not one of {MODES}")
         if mode != "eager":
             use_graph_ops(ops, compiled=mode == "compiled")
         self.fn, self.mode, self.phase, self.num_slots, self.kv_max = fn, mode, phase, num_slots, kv_max
+        self.template = template and mode == "compiled"
         self.most = len(buckets(1, num_slots)) * len(buckets(min(KV_MIN, kv_max), kv_max)) * per_bucket
         self.seconds, self.seen, self.listener = 0.0, set(), None
         self.calls = Counter()  # bucket key -> calls
         self.route = {}  # bucket key without a graph -> the key of the graph that serves it
         self.graphs, self.warmed = {}, set()  # cuda_graph: key -> (CUDAGraph, static inputs, outputs); keys run once
         if mode == "compiled":
-            self.compiled = compile_fn(fn)
-            # dynamo's settings for these calls only, not the process's: every bucket is one more entry of fn's
-            # code object, and a hit limit is an error rather than a silent fall back to eager
-            self.scope = torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True)
+            self.compiled = compile_fn(fn, self.template)
 
     def __call__(self, *batched, kv_len: int, eager: bool = False, **static):
         B = batched[0].shape[0]
@@ -118,8 +158,7 @@ class StepGraph:
         t0 = time.perf_counter()
         with self.phase("step"):
             if self.mode == "compiled":
-                with self.scope:  # ~10 us a call
-                    out = self.compiled(*batched, kv=kv, phase=no_phase, **static)  # a new key compiles (or loads)
+                out = self.compiled(*batched, kv=kv, phase=no_phase, **static)  # a new key compiles (or loads)
             elif key not in self.warmed:
                 # cuda_graph: a bucket's first call runs eager, so that every kernel it launches is compiled (and
                 # cuBLAS has its workspace) before the capture; a warm-up inside the capture would run the step twice

@@ -23,7 +23,7 @@ from nano_spec.model.model import HybridLM
 from nano_spec.model.sampling import BatchSampling, SamplingParams, accept_rule, token_logprobs
 from nano_spec.text.grammar import verify_bitmask
 from nano_spec.drafters.base import DeviceDrafter, Drafts, VerifiedRows
-from nano_spec.engine.graph import StepGraph, mode_of
+from nano_spec.engine.graph import StepGraph, gemm_template, mode_of
 from nano_spec.engine.telemetry import Telemetry
 
 
@@ -62,7 +62,8 @@ class ModelRunner:
         # the device step in the engine's mode, one graph per (batch, γ, greedy or not, KV rows) bucket
         self.graph = StepGraph(self._device_step, mode_of(compile, self.device), self.model.ops,
                                lambda name: self.tel.phase(name),  # looked up per call: a profiler may wrap it
-                               num_slots, self.cache.k.shape[2], per_bucket=2 * (self.max_drafts + 1))
+                               num_slots, self.cache.k.shape[2], per_bucket=2 * (self.max_drafts + 1),
+                               template=gemm_template(sum(p.numel() * p.element_size() for p in model.parameters())))
         self.generators = [None] * num_slots
         # per-slot device copies, written at admission and advanced on the device after each accept rule,
         # so a step uploads nothing but the batch's slot ids (and those only when the batch changes)

@@ -80,12 +80,17 @@ def attention_verify(q, k, v, k_cache, v_cache, slot_ids, seq_lens, scale: float
     L, Hkv = k_cache.shape[1], k.shape[2]
     pos = seq_lens[:, None] + torch.arange(K, device=q.device)  # (B, K)
     kv_write(k_cache, v_cache, slot_ids, pos, apply_rope_ref(k, pos, rope_theta), v)  # k is cached rotated
+    # the products as broadcasts and sums, which inductor fuses into its loops: as matmuls they would be its GEMM
+    # template too, which copies each operand that is not a weight into a packed buffer first
     qg = apply_rope_ref(q, pos, rope_theta).float().view(Bsz, K, Hkv, Hq // Hkv, Dh)  # grouped by KV head
-    s = torch.einsum("bqhrd,bkhd->bhrqk", qg, k_cache[slot_ids].float()) * scale  # (B, Hkv, rep, K, L)
+    qg = qg.permute(0, 2, 3, 1, 4)[:, :, :, :, None]  # (B, Hkv, rep, K, 1, Dh)
+    kc = k_cache[slot_ids].float().transpose(1, 2)[:, :, None, None]  # (B, Hkv, 1, 1, L, Dh)
+    s = (qg * kc).sum(-1) * scale  # (B, Hkv, rep, K, L)
     visible = torch.arange(L, device=q.device)[None, None, :] <= pos[:, :, None]  # (B, K, L)
-    s = s.masked_fill(~visible[:, None, None], float("-inf"))
-    o = torch.einsum("bhrqk,bkhd->bqhrd", s.softmax(-1), v_cache[slot_ids].float())
-    return o.reshape(Bsz, K, Hq, Dh).to(q.dtype)
+    p = s.masked_fill(~visible[:, None, None], float("-inf")).softmax(-1)
+    vc = v_cache[slot_ids].float().transpose(1, 2)[:, :, None, None]  # (B, Hkv, 1, 1, L, Dh)
+    o = (p[..., None] * vc).sum(-2)  # (B, Hkv, rep, K, Dh)
+    return o.permute(0, 3, 1, 2, 4).reshape(Bsz, K, Hq, Dh).to(q.dtype)
 
 
 # ---- 3. the commit without a host sync --------------------------------------------------------------
