@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
+from nano_spec.engine.capacity import weight_bytes
 from nano_spec.engine.graph import compile_fn, gemm_template
 from nano_spec.engine.llm import LLM
 from nano_spec.model.graph_ops import use_graph_ops
@@ -71,8 +72,8 @@ def main(argv=None):
               dtype=args.dtype)
     eager, compiled = LLM(str(model), **kw), LLM(str(model), **kw)
     use_graph_ops(compiled.model.ops, compiled=True)
-    template = gemm_template(sum(p.numel() * p.element_size() for p in compiled.model.parameters())) \
-        if args.gemm == "auto" else args.gemm == "template"
+    template = gemm_template(weight_bytes(compiled.config.cfg, compiled.config.dtype)) if args.gemm == "auto" \
+        else args.gemm == "template"
     verify = compile_fn(compiled.model.verify, template)
     torch.set_num_threads(args.threads)  # after LLM(), which may set its own default
     m = eager.model

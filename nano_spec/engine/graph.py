@@ -70,25 +70,24 @@ def compile_fn(fn, template: bool = False):
     options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe, "emulate_precision_casts": True}
     compiled = torch.compile(fn, fullgraph=True, dynamic=False, options=options)
     dynamo = torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True)
-    # read by dynamo while it traces (a frozen weight is not lifted to an input), so not a torch.compile option
-    inductor = torch._inductor.config.patch(freezing=True, max_autotune=True, max_autotune_gemm_backends="CPP") \
-        if template else nullcontext()
 
     def call(*args, **kwargs):
-        with dynamo, inductor, onednn_off() if template else nullcontext():  # ~20 us a call
+        with dynamo, frozen_gemm() if template else nullcontext():  # ~20 us a call
             return compiled(*args, **kwargs)
     return call
 
 
 @contextmanager
-def onednn_off():
-    """oneDNN off while a graph may be made: with it on, freezing also packs each weight for MKL or oneDNN, a copy
-    the GEMM template never reads and inductor's on-disk cache cannot store (every run would compile again).
-    A graph's own code calls neither library."""
+def frozen_gemm():
+    """The GEMM template's settings around a call. inductor's: read by dynamo while it traces (a frozen weight is
+    not lifted to an input), so not a torch.compile option. oneDNN off while a graph may be made: with it on,
+    freezing also packs each weight for MKL or oneDNN, a copy the template never reads and inductor's on-disk
+    cache cannot store (every run would compile again); a graph's own code calls neither library."""
     before = torch.backends.mkldnn.enabled
     torch.backends.mkldnn.enabled = False
     try:
-        yield
+        with torch._inductor.config.patch(freezing=True, max_autotune=True, max_autotune_gemm_backends="CPP"):
+            yield
     finally:
         torch.backends.mkldnn.enabled = before
 
