@@ -12,9 +12,10 @@ With --json-schema FILE every nano_spec configuration also runs under that schem
 ("+schema"), its outputs checked against plain decoding under the same schema.
 With --compile every nano_spec configuration also runs with LLM(compile=True) ("+compiled", backend
 torch), warmed up on the whole prompt set until a pass compiles no new graph (at most WARM_PASSES); each
-is checked against compiled plain, and compiled plain against eager plain in fp32.
+is checked against compiled plain, and compiled plain against eager plain in fp32 (llama.cpp and transformers too).
 With --vs-llama-cpp MODEL.gguf, at batch 1, llama-cpp-python decodes the same token ids, one prompt at
-a time, on a GGUF of the same base weights (docs/BENCHMARKS.md, "Beside llama.cpp").
+a time, on a GGUF of the same base weights (docs/BENCHMARKS.md, "Beside llama.cpp"); with --dtype bfloat16 every
+engine runs in bf16, beside a bf16 GGUF. A checkpoint without an MTP head has no MTP rows.
 
     speedup = tokens/s / tokens/s of (eager) plain decoding at the same batch size
     tokens/s from the median wall time of the rounds; CPU seconds (all threads) beside it
@@ -42,6 +43,7 @@ from nano_spec.bench_floor import matmul_floor_ms
 from nano_spec.cli import check_threads, read_schema
 from nano_spec.engine.llm import LLM
 from nano_spec.engine.settings import resolve_device, shipped_weights
+from nano_spec.model.config import ModelConfig
 from nano_spec.model.sampling import SamplingParams
 
 # the README's benchmark targets: (row, goal, measured value from {batch: {config: row}}); all are "value >= goal"
@@ -96,10 +98,10 @@ def decode_ratio(table, b, a, c):
 
 def identity_base(config: str, fp32: bool) -> str | None:
     """The configuration whose greedy outputs `config`'s must equal: plain decoding in the same mode (eager,
-    +schema, +compiled); compiled plain equals eager plain in fp32 only. In bf16 the compiled graph rounds
-    after different fused reductions than eager does, so logits can differ by one bf16 step and a near tie
-    can flip (docs/DESIGN.md §12): there it is compared with nothing."""
-    if config == "plain +compiled":
+    +schema, +compiled). Compiled plain, llama.cpp and transformers equal eager plain in fp32 only: in bf16 each
+    rounds after reductions summed in its own order (the graph's fused ones, another GEMM), so logits can differ
+    by one bf16 step and a near tie can flip (docs/DESIGN.md §12): there they are compared with nothing."""
+    if config in ("plain +compiled", "llama.cpp", "transformers"):
         return "plain" if fp32 else None
     if config.endswith("+compiled"):
         return "plain +compiled"
@@ -148,6 +150,8 @@ def parse_args(argv):
                    help="also time llama-cpp-python's plain decoding at batch 1 (so --batch must include 1) on "
                         "this GGUF of the same base weights (scripts/export_gguf.py)")
     p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", help="the engines' weights and caches, as LLM(dtype=...) takes it (default: the "
+                   "engine's, float32 on a CPU); --vs-transformers runs in it too")
     p.add_argument("--plot", help="write a PNG of tau and speedup vs γ and accept_at by position")
     p.add_argument("--json-schema", metavar="FILE", help="also run every configuration under this JSON schema")
     return p.parse_args(argv)
@@ -195,7 +199,8 @@ class Engine:
         self.proposer, self.gamma, self.schema, self.compiled = proposer, gamma, schema, compiled
         cpu = resolve_device(args.device).type == "cpu"  # compiled on the CPU: torch.compile of the references
         self.llm = LLM(model_dir, backend="torch" if compiled and cpu else args.backend, device=args.device,
-                       max_batch=batch, num_drafts=gamma, proposer=proposer, threads=args.threads, compile=compiled)
+                       dtype=args.dtype, max_batch=batch, num_drafts=gamma, proposer=proposer, threads=args.threads,
+                       compile=compiled)
 
     def generate(self, ids, max_new_tokens):
         self.llm.telemetry.reset()  # the planner keeps learning across rounds, as in a server
@@ -279,26 +284,30 @@ def main(argv=None) -> int:
         if any(g < 1 for g in args.gammas) or any(b < 1 for b in args.batch) or args.repeats < 1:
             raise ValueError("--gammas, --batch and --repeats take integers >= 1")
         dflash = [] if args.no_dflash else dflash_budgets(model_dir, args)
+        mtp = ModelConfig.from_file(model_dir / "config.json").has_mtp
+        if not mtp:  # a published checkpoint, say: its plain, n-gram and llama.cpp rows still run
+            print(f"{model_dir.name} has no MTP head: no MTP rows", file=sys.stderr)
         if args.vs_llama_cpp:
             if 1 not in args.batch:  # llama.cpp decodes one sequence: its row exists at batch 1 only
                 raise ValueError(f"--vs-llama-cpp: llama.cpp runs at batch 1 only; add 1 to --batch "
                                  f"(got --batch {' '.join(map(str, args.batch))})")
             LlamaCpp.check(args.vs_llama_cpp)
-        table, fp32 = {}, True
+        table, dtype = {}, None
         for b in args.batch:
-            configs = [("none", 0)] + [("mtp", g) for g in args.gammas]
-            configs += [] if args.no_auto else [("mtp", "auto")]
+            configs = [("none", 0)] + ([("mtp", g) for g in args.gammas] if mtp else [])
+            configs += [] if args.no_auto or not mtp else [("mtp", "auto")]
             configs += [("dflash", g) for g in dflash]
             configs += [] if args.no_ngram else [("ngram", 3)]
             engines = [Engine(model_dir, p, g, b, args) for p, g in configs]
             engines += [Engine(model_dir, p, g, b, args, schema) for p, g in configs] if schema else []
             engines += [Engine(model_dir, p, g, b, args, compiled=True) for p, g in configs] if args.compile else []
             ids = [engines[0].llm.tokenizer.encode(p) for p in prompts]
-            fp32 = next(engines[0].llm.model.parameters()).dtype == torch.float32
+            weight = next(engines[0].llm.model.parameters())
+            dtype = str(weight.dtype).removeprefix("torch.")
             if args.vs_llama_cpp and b == 1:  # no BOS: the same ids as nano_spec's
                 engines.append(LlamaCpp(args.vs_llama_cpp, max(map(len, ids)) + args.max_new_tokens))
             if args.vs_transformers:
-                engines.append(Transformers(model_dir, b, next(engines[0].llm.model.parameters()).device))
+                engines.append(Transformers(model_dir, b, weight.device, weight.dtype))
             print(f"batch {b}: {len(engines)} configurations x {args.repeats} rounds", file=sys.stderr)
             table[b] = {r["config"]: {**r, "batch": b} for r in measure(engines, ids, args)}
     except (ValueError, ImportError) as e:
@@ -307,7 +316,7 @@ def main(argv=None) -> int:
     rows = [r for batch_rows in table.values() for r in batch_rows.values()]
     for r in rows:
         base = table[r["batch"]]["plain +schema" if r["config"].endswith("+schema") else "plain"]
-        same = table[r["batch"]].get(identity_base(r["config"], fp32))
+        same = table[r["batch"]].get(identity_base(r["config"], dtype == "float32"))
         if same is not None and r["outputs"] != same["outputs"]:  # the premise of every speedup; an if, as
             i, j = first_difference(r["outputs"], same["outputs"])   # python -O keeps it
             print(f"error: greedy outputs differ from {same['config']}: {r['config']} at batch {r['batch']}, "
@@ -315,9 +324,9 @@ def main(argv=None) -> int:
             return 1
         r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"]
         r["step_speedup"] = base["steps_s"] / r["steps_s"] if r["steps_s"] else None
-    print(f"model {model_dir.name}, {len(prompts)} prompts x {args.max_new_tokens} new tokens, greedy, "
+    print(f"model {model_dir.name} in {dtype}, {len(prompts)} prompts x {args.max_new_tokens} new tokens, greedy, "
           f"median of {args.repeats} interleaved rounds; outputs identical to plain decoding: yes (compiled rows "
-          f"to compiled plain{', and that to eager plain' if fp32 else '; bf16 compiled plain is not eager plain'})")
+          f"to compiled plain{', and that, llama.cpp and transformers to eager plain' if dtype == 'float32' else ''})")
     print("batch thr config                tokens/s  decode tok/s  wall s   CPU s    tau  speedup  step ms floor ms "
           "overhead  notes")
     for r in rows:
@@ -333,7 +342,7 @@ def main(argv=None) -> int:
         if r["config"] == "transformers":
             note = "no MTP in transformers; its prompt lookup refuses this stateful model"
         if r["config"] == "llama.cpp":
-            note = "llama.cpp plain decoding, same GGUF f32 weights"
+            note = f"llama.cpp plain decoding, the same base weights in a GGUF of {r['gguf_type']}"
         if r["config"].endswith("+schema"):  # mask: the verify's grammar masks; masked drafting is in propose
             note = f"vs plain +schema; mask {r['mask_ms_per_step']:.3f} ms/step, compile " \
                    f"{r['grammar_compile_s'] * 1e3:.1f} ms"
@@ -350,7 +359,7 @@ def main(argv=None) -> int:
     if args.plot:
         plot([r for r in rows if not r["config"].endswith(("+schema", "+compiled"))
               and r["config"] not in ("transformers", "llama.cpp")], args.plot)  # nano_spec's eager rows
-    print(json.dumps({"model": model_dir.name, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+    print(json.dumps({"model": model_dir.name, "dtype": dtype, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
                       "identical": True, "rows": [{k: v for k, v in r.items() if k != "outputs"} for r in rows]}))
     return 0
 

@@ -10,14 +10,14 @@ import torch
 class Transformers:
     """transformers' GraniteMoeHybridForCausalLM.generate, greedy, batches of `batch` left-padded prompts."""
 
-    def __init__(self, model_dir, batch, device):
+    def __init__(self, model_dir, batch, device, dtype):
         import transformers
 
         transformers.logging.set_verbosity_error()  # it lists the MTP tensors it does not know
         self.name, self.batch, self.device = "transformers", batch, device
         self.proposer, self.gamma = "none", 0
         self.model = transformers.GraniteMoeHybridForCausalLM.from_pretrained(
-            model_dir, dtype=torch.float32).to(device).eval()  # the MTP head's tensors are ignored
+            model_dir, dtype=dtype).to(device).eval()  # the MTP head's tensors are ignored
         self.config = self.model.generation_config
         self.config.eos_token_id = None  # like ignore_eos: every request runs to max_new_tokens
         self.config.pad_token_id = 0
@@ -37,6 +37,10 @@ class Transformers:
     def stats(self):
         return {"steps_s": None, "tau": None, "accept_at": None, "gamma_hist": None, "predicted_speedup": None,
                 "propose_ms_per_step": None}
+
+
+# llama.cpp's general.file_type: what most of a GGUF's weights are stored in (its enum llama_ftype)
+GGUF_TYPES = {0: "f32", 1: "f16", 7: "q8_0", 32: "bf16"}
 
 
 class LlamaCpp:
@@ -70,6 +74,8 @@ class LlamaCpp:
         threads = torch.get_num_threads()  # as many as the nano_spec engines use, prefill included
         self.llm = llama_cpp.Llama(model_path=str(path), n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx,
                                    verbose=False)
+        file_type = int(self.llm.metadata.get("general.file_type", -1))
+        self.gguf_type = GGUF_TYPES.get(file_type, f"file type {file_type}")
         self.decode_s = 0.0
 
     def generate(self, ids, max_new_tokens):
@@ -90,4 +96,4 @@ class LlamaCpp:
 
     def stats(self):
         return {"steps_s": self.decode_s, "tau": None, "accept_at": None, "gamma_hist": None,
-                "predicted_speedup": None, "propose_ms_per_step": None}
+                "predicted_speedup": None, "propose_ms_per_step": None, "gguf_type": self.gguf_type}

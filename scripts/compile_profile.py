@@ -11,9 +11,12 @@ For each K (rows per sequence, batch 1), in one process, interleaved:
   - gemm floor ms: the same matmuls compiled as the compiled call's are (--gemm: inductor's C++ GEMM template over
     frozen weights, or ATen's): the least a compiled step can cost;
   - stream ms: one pass (a sum) over as many bytes as those weights, what one core's memory bandwidth allows;
+  - stash floor ms: every Mamba layer's state read once and written to its K stash rows (one copy_), the bytes
+    the K-row recurrence must move whatever computes it;
 then the compiled call's ops by self CPU time (torch.profiler), per call.
 
     matmul GB/s = weight bytes / matmul floor time
+    floor = gemm floor + stash floor: the least a compiled verify can cost; K=4 / K=1 of it is the ratio's ceiling
 """
 import argparse
 import json
@@ -92,19 +95,21 @@ def main(argv=None):
             t0 = time.perf_counter()
             verify(ids, slots, seq_lens, compiled.runner.cache, 32 + K)
             compile_s = time.perf_counter() - t0
+            stash, state = eager.runner.cache.ssm_stash(1, K), eager.runner.cache.ssm_state[:, :1, None]
             timed = {
                 "eager": lambda: m.verify(ids, slots, seq_lens, eager.runner.cache, 32 + K),
                 "compiled": lambda: verify(ids, slots, seq_lens, compiled.runner.cache, 32 + K),
                 "matmul floor": lambda: [F.linear(x, w) for x, w in zip(xs, weights)],
                 "gemm floor": lambda: gemm(xs),
                 "stream": lambda: flat.sum(),
+                "stash floor": lambda: stash.copy_(state.expand_as(stash)),  # (Lm, 1, K, H, P, N)
             }
             ms = {name: [] for name in timed}
             for _ in range(args.rounds):
                 for name, fn in timed.items():
                     ms[name].append(mean_ms(fn, args.calls))
-            row = {"K": K, "dtype": args.dtype, "gemm": "template" if template else "aten", "compile_s": compile_s, "weight_MiB": nbytes / 2**20,
-                   **{f"{n} ms": statistics.median(v) for n, v in ms.items()}}
+            row = {"K": K, "dtype": args.dtype, "gemm": "template" if template else "aten", "compile_s": compile_s,
+                   "weight_MiB": nbytes / 2**20, **{f"{n} ms": statistics.median(v) for n, v in ms.items()}}
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 for _ in range(args.calls):
                     timed["compiled"]()
@@ -116,9 +121,16 @@ def main(argv=None):
                   f"(first call {compile_s:.1f} s), matmul floor {row['matmul floor ms']:.2f} ms "
                   f"({nbytes / row['matmul floor ms'] / 1e6:.1f} GB/s over {row['weight_MiB']:.1f} MiB of weights), "
                   f"gemm floor {row['gemm floor ms']:.2f} ms ({nbytes / row['gemm floor ms'] / 1e6:.1f} GB/s), "
-                  f"stream {row['stream ms']:.2f} ms ({nbytes / row['stream ms'] / 1e6:.1f} GB/s)")
+                  f"stream {row['stream ms']:.2f} ms ({nbytes / row['stream ms'] / 1e6:.1f} GB/s), "
+                  f"stash floor {row['stash floor ms']:.2f} ms "
+                  f"({stash.numel() * 4 / row['stash floor ms'] / 1e6:.1f} GB/s written)")
             for op in row["compiled_ops"]:
                 print(f"    {op['op'][:48]:<48} {op['calls_per_step']:>6.1f} calls  {op['self_ms_per_step']:>7.3f} ms")
+    if len(rows) > 1:
+        floor = [r["gemm floor ms"] + r["stash floor ms"] for r in rows]
+        compiled = rows[-1]["compiled ms"] / rows[0]["compiled ms"]
+        print(f"K={rows[-1]['K']} / K={rows[0]['K']}: compiled {compiled:.2f}x, floor (gemm + stash) "
+              f"{floor[-1] / floor[0]:.2f}x")
     print(json.dumps(rows))
 
 

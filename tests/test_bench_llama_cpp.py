@@ -34,13 +34,15 @@ def plain(ckpt):
     return {tuple(i): o.token_ids for i, o in zip(ids, outs)}
 
 
-def fake_llama_cpp(answers, calls):
+def fake_llama_cpp(answers, calls, file_type="0"):
     """A module standing in for llama_cpp: Llama.generate yields answers[prompt ids], then token 0 forever
-    (llama.cpp does not stop at EOS), and clears the list it was given, as the real one does."""
+    (llama.cpp does not stop at EOS), and clears the list it was given, as the real one does; its metadata holds
+    the GGUF's file type as the real one's does, a string."""
 
     class Llama:
         def __init__(self, model_path, **kw):
             calls.append(dict(kw, model_path=model_path))
+            self.metadata = {"general.type": "model", "general.file_type": file_type}
 
         def reset(self):
             calls.append("reset")
@@ -78,13 +80,55 @@ def test_llama_cpp_row_with_plain_decodings_tokens(ckpt, plain, tmp_path, monkey
     assert row["tokens"] == 12 and row["decode_tokens_per_s"] > 0 and row["steps_s"] >= 2 * 5 * 0.002
     assert row["decode_tokens_per_s"] == pytest.approx((12 - 2) / row["steps_s"])
     assert all(r["decode_tokens_per_s"] > 0 for r in rows.values())
-    line = next(x for x in out.splitlines() if " llama.cpp " in x)
-    assert f"{row['decode_tokens_per_s']:.1f}" in line and "same GGUF f32 weights" in line
+    line = next(x for x in out.splitlines() if x.split()[2:3] == ["llama.cpp"])
+    assert f"{row['decode_tokens_per_s']:.1f}" in line and "the same base weights in a GGUF of f32" in line
     assert "compiled auto vs llama.cpp plain, decode tokens/s, batch 1" in out
     made = calls[0]
     assert made["model_path"] == str(gguf) and made["n_threads"] == 1
     assert made["n_ctx"] >= max(map(len, plain)) + 6
     assert calls.count("reset") == 1 + 2  # the warm-up's prompt, then each prompt of the round
+
+
+def test_bf16_engines_beside_a_bf16_gguf(ckpt, tmp_path, monkeypatch, capsys):
+    """--dtype bfloat16: every nano_spec row runs in bf16 (its greedy tokens, compared with bf16 plain decoding's,
+    are those of a bf16 engine), and the llama.cpp row names the GGUF's type."""
+    from nano_spec.engine.llm import LLM
+    from nano_spec.model.sampling import SamplingParams
+
+    llm = LLM(ckpt, backend="torch", proposer="none", max_batch=1, threads=1, dtype="bfloat16")
+    ids = [llm.tokenizer.encode(p) for p in PROMPTS]
+    bf16 = {tuple(i): o.token_ids for i, o in zip(ids, llm.generate(ids, SamplingParams(max_new_tokens=6,
+                                                                                        ignore_eos=True)))}
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    monkeypatch.setitem(sys.modules, "llama_cpp", fake_llama_cpp(bf16, [], file_type="32"))
+    rc = bench(ckpt, "--vs-llama-cpp", gguf, "--dtype", "bfloat16")
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert json.loads(out.strip().splitlines()[-1])["dtype"] == "bfloat16"
+    line = next(x for x in out.splitlines() if x.split()[2:3] == ["llama.cpp"])
+    assert "the same base weights in a GGUF of bf16" in line
+
+
+def test_a_checkpoint_without_an_mtp_head_has_no_mtp_rows(tmp_path, monkeypatch, capsys):
+    """A published checkpoint has no MTP head: the bench leaves its MTP rows out and times the rest."""
+    path = tiny_checkpoint(tmp_path / "no-mtp", seed=2, num_nextn_predict_layers=0)
+    (path / "eval_prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    from nano_spec.engine.llm import LLM
+    from nano_spec.model.sampling import SamplingParams
+
+    llm = LLM(path, backend="torch", proposer="none", max_batch=1, threads=1)
+    ids = [llm.tokenizer.encode(p) for p in PROMPTS]
+    outs = llm.generate(ids, SamplingParams(max_new_tokens=6, ignore_eos=True))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    monkeypatch.setitem(sys.modules, "llama_cpp", fake_llama_cpp({tuple(i): o.token_ids for i, o in zip(ids, outs)},
+                                                                 []))
+    rc = bench(path, "--vs-llama-cpp", gguf)
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert {r["config"] for r in json.loads(out.strip().splitlines()[-1])["rows"]} == {"plain", "llama.cpp"}
+    assert "no-mtp has no MTP head: no MTP rows" in err
 
 
 def test_llama_cpp_row_that_differs_names_prompt_and_token(ckpt, plain, tmp_path, monkeypatch, capsys):
@@ -180,11 +224,13 @@ def test_vs_llama_cpp_refuses_an_unreadable_file_before_timing(ckpt, tmp_path, m
 
 @pytest.mark.parametrize("fp32", [True, False], ids=["fp32", "bf16"])
 def test_each_row_is_checked_against_plain_decoding_in_its_own_mode(fp32):
-    """Compiled rows against compiled plain (lossless within the mode); compiled plain against eager plain only
-    in fp32, where the graph's fused reductions cannot move a bf16 rounding; everything else against eager."""
+    """Compiled rows against compiled plain (lossless within the mode); compiled plain, llama.cpp and transformers
+    against eager plain only in fp32, where their other summation orders cannot move a bf16 rounding; everything
+    else against eager."""
     from nano_spec.bench import identity_base
 
-    want = {"plain": "plain", "mtp γ=3": "plain", "llama.cpp": "plain", "transformers": "plain",
+    other_engine = "plain" if fp32 else None
+    want = {"plain": "plain", "mtp γ=3": "plain", "llama.cpp": other_engine, "transformers": other_engine,
             "mtp γ=3 +schema": "plain +schema", "mtp γ=auto +compiled": "plain +compiled",
-            "ngram γ=3 +compiled": "plain +compiled", "plain +compiled": "plain" if fp32 else None}
+            "ngram γ=3 +compiled": "plain +compiled", "plain +compiled": other_engine}
     assert {c: identity_base(c, fp32) for c in want} == want

@@ -125,7 +125,7 @@ def test_bench_floor_records_every_weight_a_step_reads(ckpt):
     from nano_spec.bench_floor import matmul_floor_ms, record
 
     class Args:
-        backend, device, threads = "torch", "cpu", 1
+        backend, device, threads, dtype = "torch", "cpu", 1, None
 
     for proposer, gamma in [("none", 0), ("mtp", 2)]:
         engine = Engine(ckpt, proposer, gamma, 1, Args)

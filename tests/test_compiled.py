@@ -139,6 +139,7 @@ def test_compile_profile_script(ckpt, capsys):
                                          "--gemm", "template"])
     (row,) = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert 0 < row["matmul floor ms"] < row["eager ms"] and row["compiled ms"] > 0 and row["K"] == 2
+    assert 0 < row["stash floor ms"] < row["eager ms"]
     assert row["compiled_ops"] and not any(op["op"] in ("aten::mm", "aten::addmm") for op in row["compiled_ops"])
 
 

@@ -9,60 +9,52 @@ below: commit_state_ref finds the rows that move with a host sync, which no grap
 import torch
 from torch import Tensor
 
+from nano_spec.model.cpu_rows import mamba_rows
 from nano_spec_kernels.common import apply_rope_ref, conv_silu_ref, mamba_dt_ref, split_xbc
 
 
 LIB = torch.library.Library("nano_spec", "FRAGMENT")  # holds the write ops below: dropped, it would unregister them
 
 
-def write_op(schema: str):
+def write_op(schema: str, meta=lambda *args: None):
     """fn as the operator nano_spec::<schema>: the dispatcher calls fn straight (a call costs about half what
     torch.library.custom_op's does: 25 against 52 us, measured; these writes need none of its autograd and
     default-argument layers). Its writes are in its schema, so a graph hands it the cache views and it writes in
-    place; traced, it produces nothing (Meta: no outputs)."""
+    place; traced, it writes nothing and returns meta(*args) (none but a write op's new outputs)."""
     def register(fn):
         name = schema.split("(")[0]
         LIB.define(schema)
         LIB.impl(name, fn, "CompositeExplicitAutograd")
-        LIB.impl(name, lambda *args: None, "Meta")
+        LIB.impl(name, meta, "Meta")
         return getattr(torch.ops.nano_spec, name).default
     return register
 
 
-# ---- 1. Mamba: the K-row recurrence in the graph, the writes in one op ------------------------------
+# ---- 1. Mamba: the conv and dt in the graph, the K-row recurrence and the writes in one op -----------
 @write_op("mamba_write(Tensor(a!) conv_state, Tensor(b!) ssm_state, Tensor(c!) conv_stash, Tensor(d!) ssm_stash, "
-          "Tensor slot_ids, Tensor window, Tensor states) -> ()")
+          "Tensor slot_ids, Tensor window, Tensor decay, Tensor u, Tensor B, Tensor C) -> Tensor",
+          meta=lambda *args: torch.empty_like(args[7]))
 def mamba_write(conv_state: Tensor, ssm_state: Tensor, conv_stash: Tensor, ssm_stash: Tensor, slot_ids: Tensor,
-                window: Tensor, states: Tensor) -> None:
-    """window (B, C, W-1+K) and states (B, K, H, P, N) into the stashes; the live state and conv window of
-    slots slot_ids advance to the last row."""
+                window: Tensor, decay: Tensor, u: Tensor, B: Tensor, C: Tensor) -> Tensor:
+    """The recurrence of the K rows (cpu_rows.mamba_rows: the stash and the live states written, y returned),
+    and the window (B, C, W-1+K) into the conv stash, the conv windows of slots slot_ids advanced to the last
+    row."""
+    y = mamba_rows(ssm_state, ssm_stash, slot_ids, decay, u, B, C)
     conv_stash.copy_(window)
-    ssm_stash.copy_(states)
-    ssm_state[slot_ids] = states[:, -1]
     conv_state[slot_ids] = window[:, :, window.shape[2] - conv_state.shape[2]:]
+    return y
 
 
 def mamba_verify(xBC, dt, conv_state, ssm_state, slot_ids, conv_weight, conv_bias, dt_bias, A_log, D,
                  ssm_stash, conv_stash, n_groups: int, dt_limit=(0.0, float("inf"))):
-    """mamba_verify_ref's contract, written for inductor: the recurrence unrolled over the K rows as
-    elementwise ops on (B, H, P, N), which it fuses into one loop nest per row."""
-    Bsz, K, _ = xBC.shape
+    """mamba_verify_ref's contract on the CPU: inductor fuses the conv, dt and decay; the recurrence is C."""
     H, P = ssm_state.shape[1], ssm_state.shape[2]
     window = torch.cat([conv_state[slot_ids], xBC.transpose(1, 2).to(conv_state.dtype)], dim=-1)  # (B, C, W-1+K)
-    x, Bg, Cg = split_xbc(conv_silu_ref(window, conv_weight, conv_bias), H, P, n_groups)  # (B, K, ...)
+    x, Bg, Cg = split_xbc(conv_silu_ref(window, conv_weight, conv_bias), H, P, n_groups)  # (B, K, ...) fp32
     dt = mamba_dt_ref(dt, dt_bias, dt_limit)  # (B, K, H)
     decay = torch.exp(dt * -torch.exp(A_log.float()))  # (B, K, H)
-    xf = x.float()
-    Bh = Bg.float().repeat_interleave(H // n_groups, dim=2)[:, :, :, None, :]  # (B, K, H, 1, N): group g's B
-    Ch = Cg.float().repeat_interleave(H // n_groups, dim=2)[:, :, :, None, :]
-    state, rows = ssm_state[slot_ids], []  # (B, H, P, N) fp32
-    for j in range(K):  # S_j = exp(dt_j A) S_{j-1} + dt_j x_j ⊗ B_j
-        state = decay[:, j, :, None, None] * state + (dt[:, j, :, None] * xf[:, j])[..., None] * Bh[:, j]
-        rows.append(state)
-    states = torch.stack(rows, dim=1)  # (B, K, H, P, N)
-    y = (states * Ch).sum(-1) + D.float()[:, None] * xf  # y_j = S_j C_j + D x_j
-    mamba_write(conv_state, ssm_state, conv_stash, ssm_stash, slot_ids, window, states)
-    return y.to(xBC.dtype)
+    y = mamba_write(conv_state, ssm_state, conv_stash, ssm_stash, slot_ids, window, decay, dt[..., None] * x, Bg, Cg)
+    return (y + D.float()[:, None] * x).to(xBC.dtype)  # y_j = S_j C_j + D x_j
 
 
 # ---- 2. attention: the K new rows written in one op, then attention over the slot's rows ------------
