@@ -359,8 +359,9 @@ def main(argv=None) -> int:
     if args.plot:
         plot([r for r in rows if not r["config"].endswith(("+schema", "+compiled"))
               and r["config"] not in ("transformers", "llama.cpp")], args.plot)  # nano_spec's eager rows
-    print(json.dumps({"model": model_dir.name, "dtype": dtype, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-                      "identical": True, "rows": [{k: v for k, v in r.items() if k != "outputs"} for r in rows]}))
+    print(json.dumps({"model": model_dir.name, "dtype": dtype, "prompts": len(prompts),
+                      "max_new_tokens": args.max_new_tokens, "identical": True,
+                      "rows": [{k: v for k, v in r.items() if k != "outputs"} for r in rows]}))
     return 0
 
 

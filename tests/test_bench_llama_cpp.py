@@ -22,16 +22,20 @@ def ckpt(tmp_path_factory):
     return path
 
 
-@pytest.fixture(scope="module")
-def plain(ckpt):
-    """{prompt ids: plain decoding's 6 tokens}, as the bench's "plain" row decodes them."""
+def plain_tokens(path, **kw):
+    """{prompt ids: plain decoding's 6 tokens}, as the bench's "plain" row decodes them (kw: e.g. its dtype)."""
     from nano_spec.engine.llm import LLM
     from nano_spec.model.sampling import SamplingParams
 
-    llm = LLM(ckpt, backend="torch", proposer="none", max_batch=1, threads=1)
+    llm = LLM(path, backend="torch", proposer="none", max_batch=1, threads=1, **kw)
     ids = [llm.tokenizer.encode(p) for p in PROMPTS]
     outs = llm.generate(ids, SamplingParams(max_new_tokens=6, ignore_eos=True))
     return {tuple(i): o.token_ids for i, o in zip(ids, outs)}
+
+
+@pytest.fixture(scope="module")
+def plain(ckpt):
+    return plain_tokens(ckpt)
 
 
 def fake_llama_cpp(answers, calls, file_type="0"):
@@ -92,13 +96,7 @@ def test_llama_cpp_row_with_plain_decodings_tokens(ckpt, plain, tmp_path, monkey
 def test_bf16_engines_beside_a_bf16_gguf(ckpt, tmp_path, monkeypatch, capsys):
     """--dtype bfloat16: every nano_spec row runs in bf16 (its greedy tokens, compared with bf16 plain decoding's,
     are those of a bf16 engine), and the llama.cpp row names the GGUF's type."""
-    from nano_spec.engine.llm import LLM
-    from nano_spec.model.sampling import SamplingParams
-
-    llm = LLM(ckpt, backend="torch", proposer="none", max_batch=1, threads=1, dtype="bfloat16")
-    ids = [llm.tokenizer.encode(p) for p in PROMPTS]
-    bf16 = {tuple(i): o.token_ids for i, o in zip(ids, llm.generate(ids, SamplingParams(max_new_tokens=6,
-                                                                                        ignore_eos=True)))}
+    bf16 = plain_tokens(ckpt, dtype="bfloat16")
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
     monkeypatch.setitem(sys.modules, "llama_cpp", fake_llama_cpp(bf16, [], file_type="32"))
@@ -114,16 +112,9 @@ def test_a_checkpoint_without_an_mtp_head_has_no_mtp_rows(tmp_path, monkeypatch,
     """A published checkpoint has no MTP head: the bench leaves its MTP rows out and times the rest."""
     path = tiny_checkpoint(tmp_path / "no-mtp", seed=2, num_nextn_predict_layers=0)
     (path / "eval_prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
-    from nano_spec.engine.llm import LLM
-    from nano_spec.model.sampling import SamplingParams
-
-    llm = LLM(path, backend="torch", proposer="none", max_batch=1, threads=1)
-    ids = [llm.tokenizer.encode(p) for p in PROMPTS]
-    outs = llm.generate(ids, SamplingParams(max_new_tokens=6, ignore_eos=True))
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
-    monkeypatch.setitem(sys.modules, "llama_cpp", fake_llama_cpp({tuple(i): o.token_ids for i, o in zip(ids, outs)},
-                                                                 []))
+    monkeypatch.setitem(sys.modules, "llama_cpp", fake_llama_cpp(plain_tokens(path), []))
     rc = bench(path, "--vs-llama-cpp", gguf)
     out, err = capsys.readouterr()
     assert rc == 0, err

@@ -33,7 +33,7 @@ def write_op(schema: str, meta=lambda *args: None):
 # ---- 1. Mamba: the conv and dt in the graph, the K-row recurrence and the writes in one op -----------
 @write_op("mamba_write(Tensor(a!) conv_state, Tensor(b!) ssm_state, Tensor(c!) conv_stash, Tensor(d!) ssm_stash, "
           "Tensor slot_ids, Tensor window, Tensor decay, Tensor u, Tensor B, Tensor C) -> Tensor",
-          meta=lambda *args: torch.empty_like(args[7]))
+          meta=lambda *args: torch.empty_like(args[7]))  # y (B, K, H, P), the shape of u = args[7]
 def mamba_write(conv_state: Tensor, ssm_state: Tensor, conv_stash: Tensor, ssm_stash: Tensor, slot_ids: Tensor,
                 window: Tensor, decay: Tensor, u: Tensor, B: Tensor, C: Tensor) -> Tensor:
     """The recurrence of the K rows (cpu_rows.mamba_rows: the stash and the live states written, y returned),
