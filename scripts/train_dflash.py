@@ -1,7 +1,8 @@
 """Train a DFlash block drafter for a frozen target checkpoint.
 
     python scripts/train_dflash.py --base DIR --out DIR [--minutes 30 | --steps N] [--block 8] [--layers 2]
-                                   [--taps i,j,..] [--anchors 16] [--decay 4.0] [--corpus PATH]
+                                   [--taps i,j,..] [--anchors 16] [--decay 4.0] [--corpus PATH | --data FILE..]
+                                   [--labels target|tokens]
 
 The drafter is the one of nano_spec/model/dflash.py (docs/DESIGN.md §13): a few Qwen3-style layers that read
 the target's residual stream after the tapped layers (--taps; default dflash.default_taps) as context
@@ -11,7 +12,8 @@ and head (both frozen). Only the drafter trains; it starts from init_weights(see
 One step, on a batch of windows ids (B, T) of the corpus:
     1. no grad: the target's forward gives the taps (B, T, nT*D) and its next-token distribution
        p_t = softmax(logits_t) at every position t (what greedy verification accepts after x_..t).
-    2. --anchors n distinct random positions a in [1, T - Bk] per sequence. The block of anchor a is
+    2. --anchors n distinct random positions a in [1, T - Bk] per sequence (in [P - 1, T - Bk] with --data, P the
+       prompt length: every draft then predicts a token the target wrote). The block of anchor a is
        [x_a, MASK x (Bk-1)] at positions a .. a+Bk-1. All n blocks of a sequence are stacked as the
        Q = n*Bk query rows of ONE drafter forward over the T context rows, with the reference's
        training mask: a block row sees the context positions < a and every row of its own block
@@ -20,6 +22,7 @@ One step, on a batch of windows ids (B, T) of the corpus:
     3. draft row j = 1 .. Bk-1 of anchor a predicts x_{a+j}; its target is p_{a+j-1}:
            loss = sum_j w_j * CE(p_{a+j-1}, drafter logits_j) / sum_j w_j,   w_j = exp(-(j-1) / --decay)
        Early drafts weigh most: a rejection ends the block, so a draft after it is never used.
+       --labels tokens replaces p_{a+j-1} by the window's own token x_{a+j} (one-hot).
 Logged: per-position agreement argmax(drafter_j) == argmax(p_{a+j-1}) (what greedy acceptance of draft
 j needs), and the expected accepted length E[sum_j prod_{i<=j} agree_i] (a cheap proxy for tau - 1).
 
@@ -27,6 +30,8 @@ AdamW, linear warmup + cosine decay by training time (scripts/train.py's lr_at),
 bf16 autocast (--amp). --minutes counts training-step time only (evaluations and the save excluded).
 The corpus and the held-out windows are train_mtp.py's: the Python standard library's training split
 by default (its held-out modules never train), or --corpus FILE|DIR with its last windows held out.
+--data FILE.. trains on scripts/distill_data.py's files instead: the target's own continuations of corpus prompts,
+greedy and sampled, with their held-out windows (greedy continuations of held-out prompts, as the benchmarks decode).
 The held-out windows are evaluated (loss, agreement by position) before and after training, with the
 same anchors both times; with none (--eval-windows 0) nothing is evaluated and the log's held_out is null.
 
@@ -63,9 +68,9 @@ LOG_FILE = "dflash_train_log.json"
 
 
 # ---- the stacked-anchor forward -------------------------------------------------------------------
-def sample_anchors(B: int, T: int, Bk: int, n: int, gen: torch.Generator) -> torch.Tensor:
-    """n distinct anchors per sequence in [1, T - Bk], sorted -> (B, n) int64 (on the CPU)."""
-    return torch.rand(B, T - Bk, generator=gen).argsort(dim=1)[:, :n].sort(dim=1).values + 1
+def sample_anchors(B: int, T: int, Bk: int, n: int, gen: torch.Generator, lo: int = 1) -> torch.Tensor:
+    """n distinct anchors per sequence in [lo, T - Bk], sorted -> (B, n) int64 (on the CPU)."""
+    return torch.rand(B, T - Bk - lo + 1, generator=gen).argsort(dim=1)[:, :n].sort(dim=1).values + lo
 
 
 def block_mask(anchors: torch.Tensor, T: int, Bk: int) -> torch.Tensor:
@@ -103,7 +108,7 @@ def losses(model, drafter, batch, args, gen: torch.Generator):
     cfg, T = drafter.cfg, args.seq_len
     ids, Bk, D = batch[:, :T], cfg.block_size, model.cfg.hidden_size
     B, n = ids.shape[0], args.anchors
-    anchors = sample_anchors(B, T, Bk, n, gen).to(ids.device)
+    anchors = sample_anchors(B, T, Bk, n, gen, args.first_anchor).to(ids.device)
     with torch.no_grad():
         taps = torch.zeros(B, T, len(cfg.target_layer_ids) * D, device=ids.device)
         y = model.hidden(ids, cfg.target_layer_ids, taps)                       # (B, T, D)
@@ -112,7 +117,10 @@ def losses(model, drafter, batch, args, gen: torch.Generator):
         p = p.view(B, n, Bk - 1, -1)                                             # the target's pick of x_{a+j}
     h = stacked_draft(drafter, model.model.embed_tokens, ids, taps, anchors)[:, :, 1:]
     logits = (model.logits(h) * (cfg.output_multiplier * model.cfg.logits_scaling)).float()  # (B, n, Bk-1, V)
-    ce = -(p * logits.log_softmax(-1)).sum(-1).mean((0, 1))                     # (Bk-1,)
+    labels = p
+    if args.labels == "tokens":  # the window's own next tokens, one-hot (the target's samples, in sampled data)
+        labels = torch.zeros_like(p).scatter_(-1, batch[:, 1:].gather(1, where).view(B, n, Bk - 1, 1), 1.0)
+    ce = -(labels * logits.log_softmax(-1)).sum(-1).mean((0, 1))                # (Bk-1,)
     loss = (position_weights(Bk, args.decay, ce.device) * ce).sum()
     agree = (logits.argmax(-1) == p.argmax(-1)).float()                          # (B, n, Bk-1)
     return loss, ce.detach(), agree.mean((0, 1)), agree.cumprod(-1).sum(-1).mean()
@@ -163,6 +171,11 @@ def parse_args(argv=None):
     ap.add_argument("--corpus", type=existing_path,
                     help="a text file or directory (default: the Python standard library)")
     ap.add_argument("--max-files", type=size, default=None, help="stdlib corpus: only the first N training files")
+    ap.add_argument("--data", type=existing_path, nargs="+",
+                    help="instead of the corpus: files of scripts/distill_data.py (the target's own continuations); "
+                         "anchors then lie in the continuations and --seq-len is the windows'")
+    ap.add_argument("--labels", choices=("target", "tokens"), default="target",
+                    help="train on the target's distribution at each position (target), or on the window's tokens")
     ap.add_argument("--device", type=device, default="auto", help="cpu, cuda, cuda:N or auto (cuda when there is one)")
     ap.add_argument("--threads", type=threads, default="auto",
                     help="intra-op threads, or auto: 2 or 1, whichever is faster")
@@ -178,12 +191,46 @@ def parse_args(argv=None):
     ap.add_argument("--log-every", type=size, default=10, help="steps between progress lines when not on a tty")
     ap.add_argument("--seed", type=count, default=0)
     args = ap.parse_args(argv)
+    args.first_anchor = 1
+    if args.data:
+        if args.corpus:
+            ap.error("argument --data: give --data or --corpus, not both")
+        args.seq_len, args.first_anchor = distill_shape(ap, args.data)
     if args.seq_len <= args.block:
         ap.error(f"argument --seq-len: must be more than --block = {args.block}, got {args.seq_len}")
-    if args.anchors > args.seq_len - args.block:
-        ap.error(f"argument --anchors: must be at most --seq-len - --block = {args.seq_len - args.block}, "
-                 f"got {args.anchors}")
+    room = args.seq_len - args.block - args.first_anchor + 1  # anchors lie in [first_anchor, seq_len - block]
+    if args.anchors > room:
+        ap.error(f"argument --anchors: must be at most the {room} places a block fits, got {args.anchors}")
     return args
+
+
+def distill_shape(ap, paths) -> tuple:
+    """(seq_len, first anchor) of distill_data.py files; all must share the window shape. The first anchor is the
+    last prompt token: draft row 1 of its block predicts the first token the target wrote."""
+    shapes = set()
+    for path in paths:
+        try:
+            d = torch.load(path, weights_only=True)
+            shapes.add((d["train"].shape[1] - 1, d["settings"]["prompt_len"] - 1))
+        except Exception as e:  # not a file of distill_data.py
+            ap.error(f"argument --data: {path} is not a file of scripts/distill_data.py ({type(e).__name__}: {e})")
+    if len(shapes) > 1:
+        ap.error(f"argument --data: the files' windows differ in shape: {sorted(shapes)}")
+    return shapes.pop()
+
+
+def distill_windows(paths, vocab_size: int, eval_windows: int) -> tuple:
+    """-> (training windows (n, T+1) int64, held-out windows (m, T+1) int64, source) from distill_data.py files."""
+    files = [torch.load(p, weights_only=True) for p in paths]
+    train = torch.cat([f["train"] for f in files]).long()
+    held = torch.cat([f["held"] for f in files]).long()[:eval_windows]
+    if len(train) == 0:
+        raise ValueError("--data: no training windows")
+    if int(train.max()) >= vocab_size:
+        raise ValueError(f"--data: token id {int(train.max())} >= the target's vocab_size {vocab_size}: "
+                         f"the files were made for another checkpoint")
+    sampled = sum(int(f["train_sampled"].sum()) for f in files)
+    return train, held, f"the target's continuations ({', '.join(map(str, paths))}; {sampled} sampled)"
 
 
 def drafter_config(args, cfg: ModelConfig) -> DFlashConfig:
@@ -206,7 +253,8 @@ def main(argv=None) -> int:
             raise ValueError("eos_token_id: documents are joined by EOS, and the base config names none")
         dcfg = drafter_config(args, cfg)
         tok = Tokenizer.from_file(str(base / "tokenizer.json"))
-        data = train_mtp.make_windows(args, tok, cfg.eos_ids[0], cfg.vocab_size)  # refuses a corpus it cannot use
+        data = distill_windows(args.data, cfg.vocab_size, args.eval_windows) if args.data else \
+            train_mtp.make_windows(args, tok, cfg.eos_ids[0], cfg.vocab_size)  # refuses a corpus it cannot use
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
