@@ -102,16 +102,49 @@ def position_weights(Bk: int, decay: float, device=None) -> torch.Tensor:
     return w / w.sum()
 
 
-def losses(model, drafter, batch, args, gen: torch.Generator):
+class TargetCache:
+    """The frozen target's taps and final-normed hidden of every training window, kept from the first time the
+    window is seen: the target does not train, so later epochs skip its forward (most of a step's FLOPs). Stored
+    in the dtype the drafter's first matmul reads them in (bf16 under --amp bf16), so nothing changes but the time."""
+
+    def __init__(self, n: int, T: int, D: int, n_taps: int, dtype: torch.dtype, device):
+        self.taps = torch.empty(n, T, n_taps * D, dtype=dtype, device=device)  # (n, T, nT*D)
+        self.y = torch.empty(n, T, D, dtype=dtype, device=device)              # (n, T, D)
+        self.have = torch.zeros(n, dtype=torch.bool)
+
+    def nbytes(self) -> int:
+        return self.taps.nbytes + self.y.nbytes
+
+    def get(self, idx: torch.Tensor, compute):
+        """(taps, y) of windows idx (B,); compute(rows) -> (taps, y) of the rows idx[rows] not yet kept."""
+        new = (~self.have[idx]).nonzero()[:, 0]
+        if len(new):
+            taps, y = compute(new)
+            self.taps[idx[new]], self.y[idx[new]] = taps.to(self.taps.dtype), y.to(self.y.dtype)
+            self.have[idx[new]] = True
+        return self.taps[idx], self.y[idx]
+
+
+def target_rows(model, ids, layer_ids):
+    """ids (B, T) -> the target's taps (B, T, nT*D) and final-normed hidden (B, T, D), no grad."""
+    with torch.no_grad():
+        taps = torch.zeros(*ids.shape, len(layer_ids) * model.cfg.hidden_size, device=ids.device)
+        return taps, model.hidden(ids, layer_ids, taps)
+
+
+def losses(model, drafter, batch, args, gen: torch.Generator, cache: TargetCache | None = None, idx=None):
     """batch (B, T+1) -> (loss, CE per draft position (Bk-1,), agreement per position (Bk-1,), expected accepted
-    length), over --anchors random blocks per window (anchors drawn from gen)."""
+    length), over --anchors random blocks per window (anchors drawn from gen). With a cache, idx (B,) are the
+    windows' indices in it."""
     cfg, T = drafter.cfg, args.seq_len
-    ids, Bk, D = batch[:, :T], cfg.block_size, model.cfg.hidden_size
+    ids, Bk = batch[:, :T], cfg.block_size
     B, n = ids.shape[0], args.anchors
     anchors = sample_anchors(B, T, Bk, n, gen, args.first_anchor).to(ids.device)
+    if cache is None:
+        taps, y = target_rows(model, ids, cfg.target_layer_ids)                 # (B, T, nT*D), (B, T, D)
+    else:
+        taps, y = cache.get(idx, lambda rows: target_rows(model, ids[rows], cfg.target_layer_ids))
     with torch.no_grad():
-        taps = torch.zeros(B, T, len(cfg.target_layer_ids) * D, device=ids.device)
-        y = model.hidden(ids, cfg.target_layer_ids, taps)                       # (B, T, D)
         where = (anchors[:, :, None] + torch.arange(Bk - 1, device=ids.device)).flatten(1)  # a + j - 1
         p = model.logits(y[torch.arange(B, device=ids.device)[:, None], where]).float().softmax(-1)
         p = p.view(B, n, Bk - 1, -1)                                             # the target's pick of x_{a+j}
@@ -174,6 +207,9 @@ def parse_args(argv=None):
     ap.add_argument("--data", type=existing_path, nargs="+",
                     help="instead of the corpus: files of scripts/distill_data.py (the target's own continuations); "
                          "anchors then lie in the continuations and --seq-len is the windows'")
+    ap.add_argument("--cache-target", action="store_true",
+                    help="keep the target's taps and hidden of every training window after its first visit (memory: "
+                         "windows x seq_len x (taps + 1) x hidden x 2 bytes under bf16): later epochs skip its forward")
     ap.add_argument("--labels", choices=("target", "tokens"), default="target",
                     help="train on the target's distribution at each position (target), or on the window's tokens")
     ap.add_argument("--device", type=device, default="auto", help="cpu, cuda, cuda:N or auto (cuda when there is one)")
@@ -318,6 +354,12 @@ def run(args, base: Path, out: Path, cfg: ModelConfig, dcfg: DFlashConfig, data:
         ev = evaluate(model, drafter, held_w, args, amp)
         return {"step": step, "minutes": round(train_s / 60, 2), **ev} if ev else None
 
+    cache = None
+    if args.cache_target:
+        cache = TargetCache(len(train_w), args.seq_len, cfg.hidden_size, len(dcfg.target_layer_ids),
+                            torch.bfloat16 if args.amp == "bf16" else torch.float32, device)
+        log(f"target cache: {cache.nbytes() / 2**30:.2f} GiB for {len(train_w)} windows")
+
     drafter.eval()
     before = held_out()
     log(f"held-out before training: {describe(before)}")
@@ -334,10 +376,11 @@ def run(args, base: Path, out: Path, cfg: ModelConfig, dcfg: DFlashConfig, data:
             perm, cursor, epoch = torch.randperm(len(train_w), generator=order), 0, epoch + 1
         tuner.apply()
         ran_on, t_step = tuner.threads(), time.time()
-        batch = train_w[perm[cursor:cursor + args.batch]].to(device)  # (B, T+1)
+        idx = perm[cursor:cursor + args.batch]
+        batch = train_w[idx].to(device)  # (B, T+1)
         cursor += args.batch
         with amp():
-            loss, ce, agree, acc = losses(model, drafter, batch, args, anchor_gen)
+            loss, ce, agree, acc = losses(model, drafter, batch, args, anchor_gen, cache, idx)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(params, args.clip).item()

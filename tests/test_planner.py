@@ -4,7 +4,7 @@ import itertools
 import pytest
 
 from nano_spec import LLM, SamplingParams
-from nano_spec.engine.planner import PROBE, DraftPlanner
+from nano_spec.engine.planner import PROBE, DraftPlanner, block_budgets
 from tests.helpers import tiny_checkpoint
 
 PROMPTS = ["def add(a, b):\n    return", "import os\nimport", "class Stack:\n", "x = [1, 2, 3]\nfor", "# sum\n"]
@@ -108,6 +108,45 @@ def test_probes_keep_neighbours_measured_and_decay_follows_a_change():
     assert {3, 0} <= set(picks)  # the neighbour and plain decoding are probed
     feed(p, 4, cost, (0.05,) * 4, 300, seed=1)  # the proposer stops being right
     assert [p.choose(4) for _ in range(PROBE)].count(0) >= PROBE - 1  # all but the probe
+
+
+@pytest.mark.parametrize("max_drafts, want", [(1, [0, 1]), (3, [0, 1, 3]), (5, [0, 1, 3, 5]), (7, [0, 1, 3, 7]),
+                                              (8, [0, 1, 3, 7, 8]), (15, [0, 1, 3, 7, 15])])
+def test_block_budgets_double_the_verify_rows(max_drafts, want):
+    assert block_budgets(max_drafts) == want
+
+
+@pytest.mark.parametrize("accept", [(0.9, 0.8, 0.8, 0.7, 0.7, 0.6, 0.6), (0.6, 0.3, 0.3, 0.2, 0.2, 0.1, 0.1),
+                                    (0.2, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1)], ids=["strong", "middling", "weak"])
+def test_a_block_drafters_planner_picks_the_best_of_its_budgets(accept):
+    """A block drafter's cost: one forward whatever γ, plus verify rows. Its planner picks only among 0, 1, 3, 7,
+    and there the argmax of tokens per second, probes aside."""
+    cost = lambda g: 0.02 * (1 + 0.1 * g) + (0.01 if g else 0.0)  # noqa: E731
+    p = DraftPlanner(7, keep_accept=0.999, budgets=block_budgets(7))
+    feed(p, 1, cost, accept, 2000, gamma_of=lambda i: (0, 1, 3, 7)[i % 4])
+    picks = [p.choose(1) for _ in range(10 * PROBE)]
+    assert set(picks) <= {0, 1, 3, 7}
+
+    def e(g):
+        return 1 + sum(_prod(accept[:i + 1]) for i in range(g))
+    best = max((0, 1, 3, 7), key=lambda g: e(g) / cost(g))
+    assert picks.count(best) >= len(picks) - len(picks) // PROBE  # all but the probes
+
+
+def test_budgets_are_checked():
+    for bad in ([1, 2], [0, 3, 2, 4], [0, 1, 3]):
+        with pytest.raises(ValueError, match="budgets:"):
+            DraftPlanner(4, budgets=bad)
+
+
+def test_dflash_auto_verifies_only_its_budgets():
+    """The shipped checkpoint's block drafter under auto: every step's γ is one of its budgets, output unchanged."""
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    llm = LLM(proposer="dflash", num_drafts="auto", max_batch=2)
+    assert llm.planner.budgets == block_budgets(llm.config.dflash.block_size - 1)
+    out = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    assert out == [o.token_ids for o in LLM(proposer="none", max_batch=2).generate(PROMPTS, params)]
+    assert set(llm.stats["gamma_hist"]) <= set(llm.planner.budgets)
 
 
 def test_a_stall_does_not_poison_the_cost():

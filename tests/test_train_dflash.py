@@ -93,6 +93,40 @@ def test_stacked_anchors_equal_one_forward_per_anchor():
                 assert_close(f"sequence {b} anchor {a}", want[0], got[b, k], atol=1e-5)
 
 
+@pytest.mark.parametrize("amp", ["none", "bf16"])
+def test_target_cache_changes_nothing_but_time(amp):
+    """--cache-target: the loss, its gradient and the logged figures equal those of the target's forward, bit for bit,
+    on the visit that fills the cache and on a later one that reads it; only the windows not yet kept are computed."""
+    from types import SimpleNamespace
+    from helpers import tiny_model
+
+    script = load_script("train_dflash")
+    model = tiny_model(seed=2).requires_grad_(False)
+    dcfg = DFlashConfig.for_target(model.cfg, num_layers=1, block_size=3)
+    args = SimpleNamespace(seq_len=13, anchors=3, first_anchor=2, labels="target", decay=2.0)
+    windows = torch.randint(1, model.cfg.vocab_size, (5, 14), generator=torch.Generator().manual_seed(1))
+    cache = script.TargetCache(5, 13, model.cfg.hidden_size, len(dcfg.target_layer_ids),
+                               torch.bfloat16 if amp == "bf16" else torch.float32, "cpu")
+    computed = []  # the rows each visit's forward ran on
+    counted = SimpleNamespace(get=lambda i, compute: cache.get(i, lambda rows: computed.append(len(rows)) or compute(rows)))
+    for visit, idx in enumerate([torch.tensor([3, 0]), torch.tensor([0, 4, 3])]):
+        runs = []
+        for use_cache in (False, True):
+            drafter = init_weights(DFlashModel(dcfg, model.ops), std=0.2, seed=1)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp == "bf16"):
+                if use_cache:
+                    out = script.losses(model, drafter, windows[idx], args, torch.Generator().manual_seed(visit),
+                                        counted, idx)
+                else:
+                    out = script.losses(model, drafter, windows[idx], args, torch.Generator().manual_seed(visit))
+            out[0].backward()
+            runs.append([*out, *(p.grad for p in drafter.parameters())])
+        for name, ref, got in zip(["loss", "ce", "agree", "accept"], runs[0], runs[1]):
+            assert torch.equal(ref, got), (visit, name, ref, got)
+        assert all(torch.equal(a, b) for a, b in zip(runs[0][4:], runs[1][4:])), visit
+    assert computed == [2, 1] and cache.have.tolist() == [True, False, False, True, True]
+
+
 def test_mask_rows():
     mask = load_script("train_dflash").block_mask(torch.tensor([[1, 3]]), 5, 2)[0].int()
     assert mask.tolist() == [[1, 0, 0, 0, 0, 1, 1, 0, 0],  # anchor 1: context position 0, its own block

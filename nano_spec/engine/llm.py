@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from nano_spec.drafters.factory import make_drafter
 from nano_spec.engine import capacity
-from nano_spec.engine.planner import DraftPlanner
+from nano_spec.engine.planner import DraftPlanner, block_budgets
 from nano_spec.engine.runner import ModelRunner
 from nano_spec.model.sampling import SamplingParams
 from nano_spec.engine.scheduler import Scheduler
@@ -75,8 +75,8 @@ class LLM:
         self.telemetry = Telemetry(c.max_drafts, clock)
         self.runner = ModelRunner(self.model, self.drafter, c.max_batch, c.max_seq_len, self.telemetry, c.compile)
         # the prior cost of a draft, relative to a plain step: extra verify rows are far from free on a CPU
-        self.planner = DraftPlanner(c.max_drafts, prior_slope=0.1 if c.device.type == "cuda" else 0.4) \
-            if c.auto else None
+        self.planner = DraftPlanner(c.max_drafts, prior_slope=0.1 if c.device.type == "cuda" else 0.4,
+                                    budgets=block_budgets(c.max_drafts) if c.dflash else None) if c.auto else None
         self.scheduler = Scheduler(self.runner, self.tokenizer, c.max_seq_len, self.planner, self.threads)
         self.on_step = on_step
         self._lock, self._owner, self._callers, self._cancelled = threading.Lock(), None, {}, deque()

@@ -11,8 +11,10 @@ Speculation pays when the tokens a step yields grow faster than its cost. Both a
              not measured yet
     γ_eff  = argmax_γ E(γ) / t_B(γ)             predicted speedup = E(γ_eff) t_B(0) / t_B(γ_eff)
 
-Every PROBE-th step tries a neighbour of the best γ instead (and, in turn, γ = 0), so the costs around the choice
-stay measured. Output does not depend on γ: every choice is lossless. Plain host arithmetic; no tensors.
+γ ranges over the drafter's budgets: every γ in 0..γ_max, or for a block drafter (one forward drafts the whole
+block, whatever γ) only 0, 1, 3, 7, .. and γ_max (`block_budgets`): each γ is another verify shape, so another
+kernel specialisation or graph, and a probe that costs a step. Every PROBE-th step tries a neighbour of the best
+γ instead (and, in turn, γ = 0), so the costs around the choice stay measured. Output does not depend on γ: every choice is lossless. Plain host arithmetic; no tensors.
 """
 from collections import Counter
 
@@ -33,11 +35,20 @@ class Decayed:
         self.mean += (x - self.mean) / self.w
 
 
+def block_budgets(max_drafts: int) -> list:
+    """γ = 0, then K = γ + 1 doubling (1, 3, 7, ..), then γ_max: the budgets a block drafter's planner picks from."""
+    return sorted({0, max_drafts} | {2 ** k - 1 for k in range(1, max_drafts.bit_length() + 1) if 2 ** k - 1 < max_drafts})
+
+
 class DraftPlanner:
     def __init__(self, max_drafts: int, prior_slope: float = 0.4, keep_cost: float = 0.9,
-                 keep_accept: float = 0.995):
+                 keep_accept: float = 0.995, budgets=None):
         """prior_slope: c1 / c0, the cost of a draft relative to a step, until two γ are measured
-        (CPU ~0.4: extra verify rows are not free there; a GPU is closer to 0.1)."""
+        (CPU ~0.4: extra verify rows are not free there; a GPU is closer to 0.1). budgets: the γ it may pick
+        (ascending, from 0); None: 0..max_drafts."""
+        self.budgets = list(range(max_drafts + 1)) if budgets is None else list(budgets)
+        if self.budgets[0] != 0 or self.budgets[-1] != max_drafts or self.budgets != sorted(set(self.budgets)):
+            raise ValueError(f"budgets: {self.budgets} must ascend from 0 to max_drafts = {max_drafts}")
         self.max_drafts, self.prior_slope = max_drafts, prior_slope
         self.keep_cost, self.keep_accept = keep_cost, keep_accept
         self.trials = [PRIOR_WEIGHT] * max_drafts
@@ -94,13 +105,13 @@ class DraftPlanner:
     # ---- the loop's calls ----------------------------------------------------------------
     def choose(self, B: int) -> int:
         """γ_eff for the next step of a batch of B sequences."""
-        s = self.speedups(B)
-        best = max(range(len(s)), key=s.__getitem__)
+        s, n = self.speedups(B), len(self.budgets)
+        best = max(range(n), key=lambda i: s[self.budgets[i]])  # an index into budgets
         self.steps += 1
         if self.steps % PROBE == 0:
             turn = (self.steps // PROBE) % 3
-            best = min(max(0, best - 1 if turn == 0 else best + 1 if turn == 1 else 0), self.max_drafts)
-        return best
+            best = min(max(0, best - 1 if turn == 0 else best + 1 if turn == 1 else 0), n - 1)
+        return self.budgets[best]
 
     def observe_step(self, B: int, gamma: int, seconds: float, drafter_seconds: float, results: list):
         """A step at γ: its seconds, of which the drafter's (drafting and catch-up), and (na, nd) per sequence."""
