@@ -18,6 +18,11 @@ benchmarks decode. Window i's prompt and its greedy-or-sampled draw depend only 
 The file is a cache: it is rewritten (atomically) after every batch, and a rerun with the same settings
 and a larger --windows (or after an interrupt) keeps what is there and generates only the rest. A file
 made with other settings is refused. scripts/train_dflash.py reads it with --data FILE.
+
+The prompts depend on the corpus, and the default corpus on this interpreter's stdlib. --export-prompts PATH
+writes the prompts of the windows of --out (then of --also FILE..) as token ids (safetensors) and exits;
+--prompts PATH then continues exactly those prompts, window i the i-th, with no corpus read (the shipped
+drafter's list is weights/stdlib-hybrid-8m/distill_prompts.safetensors).
 """
 import os
 import random
@@ -26,6 +31,7 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: train_mtp.py, train.py, arg_types.py
@@ -51,6 +57,10 @@ def parse_args(argv=None):
     ap.add_argument("--sampled", type=number(0, 1), default=0.5,
                     help="fraction of training prompts continued at temperature 1 (the rest greedily)")
     ap.add_argument("--corpus", type=existing_path, help="a text file or directory (default: the Python stdlib)")
+    ap.add_argument("--prompts", type=existing_path, help="continue these prompts (a file of --export-prompts)")
+    ap.add_argument("--export-prompts", metavar="PATH",
+                    help="write the prompts of the windows of --out (and --also files) to PATH and exit")
+    ap.add_argument("--also", type=existing_path, nargs="+", default=[], help="with --export-prompts: more data files")
     ap.add_argument("--batch", type=size, default=32, help="requests in flight (the engine's max_batch)")
     ap.add_argument("--threads", type=threads, default=1, help="intra-op threads (auto: the engine measures)")
     ap.add_argument("--seed", type=integer(0), default=0)
@@ -76,7 +86,8 @@ def prompt(stream: torch.Tensor, P: int, key: int) -> list:
 
 def settings(args, base: Path) -> dict:
     """What the windows depend on: a file made with other settings is not extended."""
-    return {"format": FORMAT, "base": str(base.resolve()), "corpus": args.corpus or "Python stdlib",
+    corpus = f"prompts {args.prompts}" if args.prompts else args.corpus or f"Python {sys.version_info[0]}.{sys.version_info[1]} stdlib"
+    return {"format": FORMAT, "base": str(base.resolve()), "corpus": corpus,
             "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "sampled": args.sampled,
             "held": args.held, "seed": args.seed}
 
@@ -102,18 +113,49 @@ def save(out: Path, data: dict):
     os.replace(tmp, out)
 
 
+def export_prompts(files: list, path: Path):
+    """The first prompt_len tokens of every window of the data files, in order -> path (safetensors: train, held;
+    int16 where the ids fit)."""
+    data = [torch.load(f, weights_only=True) for f in files]
+    if len({d["settings"]["prompt_len"] for d in data}) > 1:
+        raise ValueError("--export-prompts: the files' prompts differ in length")
+    P = data[0]["settings"]["prompt_len"]
+    rows = {kind: torch.cat([d[kind][:, :P] for d in data]) for kind in ("train", "held")}
+    small = all(len(r) == 0 or int(r.max()) < 2**15 for r in rows.values())
+    save_file({k: r.to(torch.int16 if small else torch.int32).contiguous() for k, r in rows.items()}, str(path))
+
+
+def given_prompts(path: str, P: int, args):
+    """The prompts of an --export-prompts file, as two 'streams' of rows (n, P): window i of a kind takes row i."""
+    rows = load_file(path)
+    if any(rows[k].shape[1] != P for k in ("train", "held")):
+        raise ValueError(f"--prompts: {path} holds prompts of {rows['train'].shape[1]} tokens, not --prompt-len {P}")
+    for kind, want in (("train", args.windows), ("held", args.held)):
+        if len(rows[kind]) < want:
+            raise ValueError(f"--prompts: {path} holds {len(rows[kind])} {kind} prompts, fewer than the {want} asked")
+    return rows["train"].long(), rows["held"].long()
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     base, out = Path(args.base), Path(args.out)
     try:
+        if args.export_prompts:
+            if not out.is_file():
+                raise ValueError(f"--export-prompts: no data file at --out {out}")
+            export_prompts([out, *args.also], Path(args.export_prompts))
+            return 0
         cfg = ModelConfig.from_file(base / "config.json")
         tok = Tokenizer.from_file(str(base / "tokenizer.json"))
         if not cfg.eos_ids:
             raise ValueError("eos_token_id: documents are joined by EOS, and the base config names none")
         data = load(out, settings(args, base))
-        train_s, held_s = corpus_streams(args, tok, cfg.eos_ids[0])
+        if args.prompts:
+            train_s, held_s = given_prompts(args.prompts, args.prompt_len, args)
+        else:
+            train_s, held_s = corpus_streams(args, tok, cfg.eos_ids[0])
         for name, s in (("training", train_s), ("held-out", held_s)):
-            if len(s) < args.prompt_len:
+            if not args.prompts and len(s) < args.prompt_len:
                 raise ValueError(f"--prompt-len: the {name} corpus has {len(s)} tokens, fewer than {args.prompt_len}")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -129,7 +171,8 @@ def main(argv=None) -> int:
         chunk, prompts, params = todo[c:c + 4 * args.batch], [], []
         for kind, i in chunk:
             key = (args.seed * 2 + (kind == "held")) * 1_000_003 + i
-            prompts.append(prompt(held_s if kind == "held" else train_s, P, key))
+            source = held_s if kind == "held" else train_s
+            prompts.append(source[i].tolist() if args.prompts else prompt(source, P, key))
             sampled = kind == "train" and random.Random(f"sampled {key}").random() < args.sampled
             params.append(SamplingParams(max_new_tokens=R, ignore_eos=True, temperature=1.0 if sampled else 0.0,
                                          seed=key if sampled else None))

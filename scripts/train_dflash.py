@@ -28,6 +28,8 @@ j needs), and the expected accepted length E[sum_j prod_{i<=j} agree_i] (a cheap
 
 AdamW, linear warmup + cosine decay by training time (scripts/train.py's lr_at), gradient clipping,
 bf16 autocast (--amp). --minutes counts training-step time only (evaluations and the save excluded).
+--cache-target keeps what step 1 computes (taps and final hidden, not the anchors' p) per window from its first
+visit: the target is frozen, so later epochs cost only the drafter.
 The corpus and the held-out windows are train_mtp.py's: the Python standard library's training split
 by default (its held-out modules never train), or --corpus FILE|DIR with its last windows held out.
 --data FILE.. trains on scripts/distill_data.py's files instead: the target's own continuations of corpus prompts,

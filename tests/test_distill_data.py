@@ -60,6 +60,18 @@ def test_a_file_made_with_other_settings_is_refused(made, capsys):
     assert (tmp / "d.pt").read_bytes() == before
 
 
+def test_exported_prompts_give_the_same_windows(made, tmp_path, capsys):
+    """--export-prompts then --prompts: the same prompts and, with the same seed, the same windows, no corpus read."""
+    script, _, tmp, args, d = made
+    assert script.main([*args, "--out", str(tmp / "d.pt"), "--export-prompts", str(tmp_path / "p.st")]) == 0
+    no_corpus = [a for a in args if a not in ("--corpus", str(tmp / "corpus.txt"))]
+    again = [*no_corpus, "--prompts", str(tmp_path / "p.st"), "--out", str(tmp_path / "again.pt")]
+    assert script.main([*again, "--windows", "5"]) == 0
+    assert all(torch.equal(torch.load(tmp_path / "again.pt")[k], d[k]) for k in ("train", "held", "train_sampled"))
+    assert script.main([*again, "--windows", "6"]) == 2  # the list holds 5
+    assert "holds 5 train prompts, fewer than the 6 asked" in capsys.readouterr().err
+
+
 def test_train_dflash_trains_on_it(made, tmp_path):
     """--data: the windows' length is the sequence length, the anchors lie in the continuations, and the drafter it
     writes loads; --labels tokens trains on the windows' tokens."""
