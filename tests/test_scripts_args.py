@@ -202,7 +202,7 @@ def test_lr_too_large_for_adamw_is_one_line(script, value, capsys):
     ("train_mtp", ["--seq-len", "16", "--unroll", "15"],
      "argument --unroll: must be at most --seq-len - 2 = 14, got 15"),
     ("train_dflash", ["--seq-len", "16", "--block", "8", "--anchors", "9"],
-     "argument --anchors: must be at most --seq-len - --block = 8, got 9"),
+     "argument --anchors: must be at most the 8 places a block fits, got 9"),
     ("train_dflash", ["--seq-len", "8", "--block", "8", "--anchors", "1"],
      "argument --seq-len: must be more than --block = 8, got 8"),
 ], ids=["unroll", "anchors", "block"])
