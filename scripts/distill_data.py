@@ -92,10 +92,21 @@ def settings(args, base: Path) -> dict:
             "held": args.held, "seed": args.seed}
 
 
+def read(path: Path) -> dict:
+    """A data file of this script, or ValueError."""
+    try:
+        data = torch.load(path, weights_only=True)
+    except Exception as e:  # not a file torch.save wrote
+        data = e
+    if not isinstance(data, dict) or not {"settings", "train", "held", "train_sampled"} <= set(data):
+        raise ValueError(f"--out: {path} is not a data file of distill_data.py; give another path")
+    return data
+
+
 def load(out: Path, want: dict) -> dict:
     if not out.exists():
         return {"settings": want, "train": [], "train_sampled": [], "held": []}
-    data = torch.load(out, weights_only=True)
+    data = read(out)
     if data.get("settings") != want:
         raise ValueError(f"--out: {out} was made with other settings ({data.get('settings')}); "
                          f"give another path or the same settings")
@@ -116,7 +127,7 @@ def save(out: Path, data: dict):
 def export_prompts(files: list, path: Path):
     """The first prompt_len tokens of every window of the data files, in order -> path (safetensors: train, held;
     int16 where the ids fit)."""
-    data = [torch.load(f, weights_only=True) for f in files]
+    data = [read(f) for f in files]
     if len({d["settings"]["prompt_len"] for d in data}) > 1:
         raise ValueError("--export-prompts: the files' prompts differ in length")
     P = data[0]["settings"]["prompt_len"]

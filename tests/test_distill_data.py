@@ -58,6 +58,10 @@ def test_a_file_made_with_other_settings_is_refused(made, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: --out:") and "other settings" in err[0]
     assert (tmp / "d.pt").read_bytes() == before
+    (tmp / "junk.pt").write_bytes(b"not a data file")
+    assert script.main([*args, "--out", str(tmp / "junk.pt"), "--windows", "6"]) == 2
+    assert "is not a data file of distill_data.py" in capsys.readouterr().err
+    assert (tmp / "junk.pt").read_bytes() == b"not a data file"
 
 
 def test_exported_prompts_give_the_same_windows(made, tmp_path, capsys):
