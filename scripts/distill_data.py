@@ -86,7 +86,8 @@ def prompt(stream: torch.Tensor, P: int, key: int) -> list:
 
 def settings(args, base: Path) -> dict:
     """What the windows depend on: a file made with other settings is not extended."""
-    corpus = f"prompts {args.prompts}" if args.prompts else args.corpus or f"Python {sys.version_info[0]}.{sys.version_info[1]} stdlib"
+    stdlib = "Python {}.{} stdlib".format(*sys.version_info[:2])  # its files differ from version to version
+    corpus = f"prompts {args.prompts}" if args.prompts else args.corpus or stdlib
     return {"format": FORMAT, "base": str(base.resolve()), "corpus": corpus,
             "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "sampled": args.sampled,
             "held": args.held, "seed": args.seed}

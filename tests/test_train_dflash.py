@@ -108,7 +108,8 @@ def test_target_cache_changes_nothing_but_time(amp):
     cache = script.TargetCache(5, 13, model.cfg.hidden_size, len(dcfg.target_layer_ids),
                                torch.bfloat16 if amp == "bf16" else torch.float32, "cpu")
     computed = []  # the rows each visit's forward ran on
-    counted = SimpleNamespace(get=lambda i, compute: cache.get(i, lambda rows: computed.append(len(rows)) or compute(rows)))
+    counted = SimpleNamespace(  # the cache, counting the rows it computes
+        get=lambda i, compute: cache.get(i, lambda rows: computed.append(len(rows)) or compute(rows)))
     for visit, idx in enumerate([torch.tensor([3, 0]), torch.tensor([0, 4, 3])]):
         runs = []
         for use_cache in (False, True):
@@ -146,7 +147,8 @@ def test_refusals_are_one_line(trained, tmp_path, capsys):
                           (["--layers", "0"], "argument --layers: must be an integer in [1, 64], got '0'"),
                           (["--minutes", "nan"], "argument --minutes: must be a finite number > 0, got 'nan'"),
                           (["--anchors", "0"], "argument --anchors: must be an integer in [1, "),
-                          (["--anchors", "29"], "argument --anchors: must be at most the 28 places a block fits, got 29"),
+                          (["--anchors", "29"],
+                           "argument --anchors: must be at most the 28 places a block fits, got 29"),
                           (["--taps", "99"], "--taps: 99 must be layers of the target (0 .. 3)"),
                           (["--taps", "1,x"], "argument --taps: must be distinct integers >= 0"),
                           (["--out", str(tmp_path / "mine")], "is not an output of train_dflash.py"),

@@ -14,7 +14,8 @@ Speculation pays when the tokens a step yields grow faster than its cost. Both a
 γ ranges over the drafter's budgets: every γ in 0..γ_max, or for a block drafter (one forward drafts the whole
 block, whatever γ) only 0, 1, 3, 7, .. and γ_max (`block_budgets`): each γ is another verify shape, so another
 kernel specialisation or graph, and a probe that costs a step. Every PROBE-th step tries a neighbour of the best
-γ instead (and, in turn, γ = 0), so the costs around the choice stay measured. Output does not depend on γ: every choice is lossless. Plain host arithmetic; no tensors.
+γ instead (and, in turn, γ = 0), so the costs around the choice stay measured. Output does not depend on γ: every
+choice is lossless. Plain host arithmetic; no tensors.
 """
 from collections import Counter
 
@@ -37,7 +38,7 @@ class Decayed:
 
 def block_budgets(max_drafts: int) -> list:
     """γ = 0, then K = γ + 1 doubling (1, 3, 7, ..), then γ_max: the budgets a block drafter's planner picks from."""
-    return sorted({0, max_drafts} | {2 ** k - 1 for k in range(1, max_drafts.bit_length() + 1) if 2 ** k - 1 < max_drafts})
+    return sorted({0, max_drafts} | {2 ** k - 1 for k in range(1, max_drafts.bit_length())})
 
 
 class DraftPlanner:
