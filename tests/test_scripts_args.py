@@ -358,10 +358,17 @@ tracer = generate.tracer
 def waiting_tracer(tok):  # after the step that finished request 0, wait for the parent's SIGINT
     trace = tracer(tok)
     def on_step(report):
-        trace(report)
         if any(r.seq_id == 0 and r.finish_reason for r in report.rows):
+            # SIGINT stays pending from before the parent can read the line until sigwait takes it, so it cannot
+            # land between a check and a pause (signal.pause() then waits for a second one: a hang under load)
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+            trace(report)
             sys.stderr.flush()
-            signal.pause()  # a SIGINT that came first has raised already, on the way here
+            signal.sigwait({signal.SIGINT})
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+            signal.raise_signal(signal.SIGINT)  # Ctrl-C's own path: the handler raises KeyboardInterrupt here
+        else:
+            trace(report)
     return on_step
 
 generate.tracer = waiting_tracer
