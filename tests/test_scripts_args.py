@@ -372,6 +372,7 @@ def waiting_tracer(tok):  # after the step that finished request 0, wait for the
     return on_step
 
 generate.tracer = waiting_tracer
+signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C's handler, even where the parent ignores SIGINT
 sys.exit(generate.main(sys.argv[1:]))
 """
 
