@@ -93,15 +93,20 @@ def settings(args, base: Path) -> dict:
             "held": args.held, "seed": args.seed}
 
 
-def read(path: Path) -> dict:
-    """A data file of this script, or ValueError."""
+def read(path, flag: str = "--out") -> dict:
+    """A data file of this script (also train_dflash.py's reader), or ValueError naming flag."""
     try:
         data = torch.load(path, weights_only=True)
     except Exception as e:  # not a file torch.save wrote
         data = e
     if not isinstance(data, dict) or not {"settings", "train", "held", "train_sampled"} <= set(data):
-        raise ValueError(f"--out: {path} is not a data file of distill_data.py; give another path")
+        raise ValueError(f"{flag}: {path} is not a data file of distill_data.py; give another path")
     return data
+
+
+def window_key(seed: int, held: bool, i: int) -> int:
+    """What window i's prompt place and its greedy-or-sampled draw (and sampling seed) depend on."""
+    return (seed * 2 + held) * 1_000_003 + i
 
 
 def load(out: Path, want: dict) -> dict:
@@ -173,8 +178,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     n_threads = None if args.threads == "auto" else args.threads
-    engines = {sampled: LLM(base, max_batch=args.batch, threads=n_threads, proposer="none" if sampled else "auto")
-               for sampled in (False, True)}
+    engines = {}  # sampled -> its engine, loaded when first needed
     P, R, t0, made = args.prompt_len, args.new_tokens, time.time(), 0
     # (kind, index): held-out windows first, so a short run still has its evaluation set
     todo = [("held", i) for i in range(len(data["held"]), args.held)] + \
@@ -182,16 +186,21 @@ def main(argv=None) -> int:
     for c in range(0, len(todo), 4 * args.batch):  # a few batches per call: the engine refills freed slots
         chunk, prompts, params = todo[c:c + 4 * args.batch], [], []
         for kind, i in chunk:
-            key = (args.seed * 2 + (kind == "held")) * 1_000_003 + i
+            key = window_key(args.seed, kind == "held", i)
             source = held_s if kind == "held" else train_s
             prompts.append(source[i].tolist() if args.prompts else prompt(source, P, key))
             sampled = kind == "train" and random.Random(f"sampled {key}").random() < args.sampled
             params.append(SamplingParams(max_new_tokens=R, ignore_eos=True, temperature=1.0 if sampled else 0.0,
                                          seed=key if sampled else None))
         outs = [None] * len(chunk)
-        for sampled, engine in engines.items():
+        for sampled in (False, True):
             rows = [r for r, sp in enumerate(params) if (sp.temperature > 0) == sampled]
-            for r, o in zip(rows, engine.generate([prompts[r] for r in rows], [params[r] for r in rows])):
+            if not rows:
+                continue
+            if sampled not in engines:
+                engines[sampled] = LLM(base, max_batch=args.batch, threads=n_threads,
+                                       proposer="none" if sampled else "auto")
+            for r, o in zip(rows, engines[sampled].generate([prompts[r] for r in rows], [params[r] for r in rows])):
                 outs[r] = o
         for (kind, _), p, sp, o in zip(chunk, prompts, params, outs):  # in index order: a rerun continues it
             if o.finish_reason != "length":

@@ -57,6 +57,7 @@ from tokenizers import Tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: train_mtp.py, train.py, arg_types.py
 import train_mtp  # noqa: E402  (it imports train.py, which puts the repository root on sys.path)
+import distill_data  # noqa: E402  (--data: its files, read by its reader)
 from train_mtp import base_train  # noqa: E402
 from arg_types import Parser, device, existing_path, indices, integer, learning_rate, number, threads  # noqa: E402
 
@@ -248,10 +249,10 @@ def distill_shape(ap, paths) -> tuple:
     shapes = set()
     for path in paths:
         try:
-            d = torch.load(path, weights_only=True)
-            shapes.add((d["train"].shape[1] - 1, d["settings"]["prompt_len"] - 1))
-        except Exception as e:  # not a file of distill_data.py
-            ap.error(f"argument --data: {path} is not a file of scripts/distill_data.py ({type(e).__name__}: {e})")
+            d = distill_data.read(path, "argument --data")
+        except ValueError as e:
+            ap.error(str(e))
+        shapes.add((d["train"].shape[1] - 1, d["settings"]["prompt_len"] - 1))
     if len(shapes) > 1:
         ap.error(f"argument --data: the files' windows differ in shape: {sorted(shapes)}")
     return shapes.pop()
@@ -259,7 +260,7 @@ def distill_shape(ap, paths) -> tuple:
 
 def distill_windows(paths, vocab_size: int, eval_windows: int) -> tuple:
     """-> (training windows (n, T+1) int64, held-out windows (m, T+1) int64, source) from distill_data.py files."""
-    files = [torch.load(p, weights_only=True) for p in paths]
+    files = [distill_data.read(p, "--data") for p in paths]
     train = torch.cat([f["train"] for f in files]).long()
     held = torch.cat([f["held"] for f in files]).long()[:eval_windows]
     if len(train) == 0:

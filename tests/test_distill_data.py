@@ -34,7 +34,7 @@ def test_windows_are_the_targets_continuations(made):
     model = load_model(base)
     for kind, windows in (("train", d["train"]), ("held", d["held"])):
         for i, w in enumerate(windows.tolist()):
-            key = (kind == "held") * 1_000_003 + i  # --seed 0
+            key = script.window_key(0, kind == "held", i)
             sampled = kind == "train" and bool(d["train_sampled"][i])
             want, _ = speculative_generate(model, w[:P], R, gamma=0, temperature=1.0 if sampled else 0.0, seed=key)
             assert w[P:] == want, (kind, i, sampled)
@@ -101,7 +101,7 @@ def test_train_dflash_refuses_bad_data(made, tmp_path, capsys):
     train = load_script("train_dflash")
     (tmp_path / "junk.pt").write_bytes(b"not a tensor file")
     common = ["--base", str(base), "--out", str(tmp_path / "o")]
-    for extra, says in ((["--data", str(tmp_path / "junk.pt")], "is not a file of scripts/distill_data.py"),
+    for extra, says in ((["--data", str(tmp_path / "junk.pt")], "is not a data file of distill_data.py"),
                         (["--data", str(tmp / "d.pt"), "--corpus", str(tmp / "corpus.txt")], "not both"),
                         (["--data", str(tmp / "d.pt"), "--block", "3", "--anchors", "8"], "at most the 7 places")):
         with pytest.raises(SystemExit) as e:
