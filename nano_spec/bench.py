@@ -154,6 +154,10 @@ def parse_args(argv):
                    "engine's, float32 on a CPU); --vs-transformers runs in it too")
     p.add_argument("--plot", help="write a PNG of tau and speedup vs γ and accept_at by position")
     p.add_argument("--json-schema", metavar="FILE", help="also run every configuration under this JSON schema")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sample every request at this temperature, seeded by its prompt's index (default: greedy)")
+    p.add_argument("--top-k", type=int, default=0, help="with --temperature: top-k (0: off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="with --temperature: top-p (1: off)")
     return p.parse_args(argv)
 
 
@@ -196,7 +200,7 @@ class Engine:
     def __init__(self, model_dir, proposer, gamma, batch, args, schema=None, compiled=False):
         self.name = ("plain" if proposer == "none" else f"{proposer} γ={gamma}") + (" +schema" if schema else "") \
             + (" +compiled" if compiled else "")
-        self.proposer, self.gamma, self.schema, self.compiled = proposer, gamma, schema, compiled
+        self.proposer, self.gamma, self.schema, self.compiled, self.args = proposer, gamma, schema, compiled, args
         cpu = resolve_device(args.device).type == "cpu"  # compiled on the CPU: torch.compile of the references
         self.llm = LLM(model_dir, backend="torch" if compiled and cpu else args.backend, device=args.device,
                        dtype=args.dtype, max_batch=batch, num_drafts=gamma, proposer=proposer, threads=args.threads,
@@ -205,7 +209,9 @@ class Engine:
     def generate(self, ids, max_new_tokens):
         self.llm.telemetry.reset()  # the planner keeps learning across rounds, as in a server
         # under a schema a complete output finishes with "stop" even with ignore_eos
-        params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True, json_schema=self.schema)
+        params = [SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True, json_schema=self.schema,
+                                 temperature=self.args.temperature, top_k=self.args.top_k, top_p=self.args.top_p,
+                                 seed=i) for i in range(len(ids))]
         return [o.token_ids for o in self.llm.generate(ids, params)]
 
     def stats(self):
@@ -281,6 +287,9 @@ def main(argv=None) -> int:
             raise ValueError(f"--num-prompts: must be an integer >= 1, got {args.num_prompts}")
         prompts = load_prompts(args, model_dir)
         schema = read_schema(args.json_schema) if args.json_schema else None
+        SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)  # checked once, named
+        if args.temperature and (args.vs_llama_cpp or args.vs_transformers):
+            raise ValueError("--temperature: llama.cpp and transformers rows decode greedily; sample without them")
         if any(g < 1 for g in args.gammas) or any(b < 1 for b in args.batch) or args.repeats < 1:
             raise ValueError("--gammas, --batch and --repeats take integers >= 1")
         dflash = [] if args.no_dflash else dflash_budgets(model_dir, args)
@@ -316,7 +325,7 @@ def main(argv=None) -> int:
     rows = [r for batch_rows in table.values() for r in batch_rows.values()]
     for r in rows:
         base = table[r["batch"]]["plain +schema" if r["config"].endswith("+schema") else "plain"]
-        same = table[r["batch"]].get(identity_base(r["config"], dtype == "float32"))
+        same = None if args.temperature else table[r["batch"]].get(identity_base(r["config"], dtype == "float32"))
         if same is not None and r["outputs"] != same["outputs"]:  # the premise of every speedup; an if, as
             i, j = first_difference(r["outputs"], same["outputs"])   # python -O keeps it
             print(f"error: greedy outputs differ from {same['config']}: {r['config']} at batch {r['batch']}, "
@@ -324,9 +333,13 @@ def main(argv=None) -> int:
             return 1
         r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"]
         r["step_speedup"] = base["steps_s"] / r["steps_s"] if r["steps_s"] else None
-    print(f"model {model_dir.name} in {dtype}, {len(prompts)} prompts x {args.max_new_tokens} new tokens, greedy, "
-          f"median of {args.repeats} interleaved rounds; outputs identical to plain decoding: yes (compiled rows "
-          f"to compiled plain{', and that, llama.cpp and transformers to eager plain' if dtype == 'float32' else ''})")
+    identical = "not compared: a drafter's steps draw their own random numbers" if args.temperature else \
+        "yes (compiled rows to compiled plain" + \
+        f"{', and that, llama.cpp and transformers to eager plain' if dtype == 'float32' else ''})"
+    decoding = f"sampled at temperature {args.temperature:g}, top-k {args.top_k}, top-p {args.top_p:g}, seeded" \
+        if args.temperature else "greedy"
+    print(f"model {model_dir.name} in {dtype}, {len(prompts)} prompts x {args.max_new_tokens} new tokens, {decoding}, "
+          f"median of {args.repeats} interleaved rounds; outputs identical to plain decoding: {identical}")
     print("batch thr config                tokens/s  decode tok/s  wall s   CPU s    tau  speedup  step ms floor ms "
           "overhead  notes")
     for r in rows:
@@ -360,7 +373,8 @@ def main(argv=None) -> int:
         plot([r for r in rows if not r["config"].endswith(("+schema", "+compiled"))
               and r["config"] not in ("transformers", "llama.cpp")], args.plot)  # nano_spec's eager rows
     print(json.dumps({"model": model_dir.name, "dtype": dtype, "prompts": len(prompts),
-                      "max_new_tokens": args.max_new_tokens, "identical": True,
+                      "max_new_tokens": args.max_new_tokens, "identical": not args.temperature,
+                      "sampling": {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p},
                       "rows": [{k: v for k, v in r.items() if k != "outputs"} for r in rows]}))
     return 0
 

@@ -23,6 +23,8 @@ def ngram_lookup(tokens: list, gamma: int, max_n: int = 3) -> list:
 def filtered(logits, temperature: float, top_k: int, top_p: float):
     """logits (V,) -> the distribution a sampled row draws from: temperature, then top-k, then top-p."""
     shifted = (logits.float() - logits.float().max()) / max(temperature, torch.finfo(torch.float32).tiny)
+    if not top_k and top_p >= 1:  # no filter: the whole distribution
+        return torch.softmax(shifted, -1)
     p, order = torch.softmax(shifted, -1).sort(descending=True)  # the shift keeps a tiny T from overflowing
     if top_k:
         p[top_k:] = 0

@@ -8,9 +8,9 @@ should train on text the target wrote. For every window:
        standard library's, as train.py splits it; --corpus FILE|DIR otherwise);
     2. the engine (nano_spec.LLM, batched) continues it for --new-tokens tokens, greedily (speculative,
        proposer auto), or sampled at temperature 1 for a --sampled fraction of the prompts (the target's
-       distribution, not only its mode; plain decoding, which at this size samples faster than
-       speculation: 676 against 364 tok/s at batch 64 on one core, the sampled accept rule sorting
-       the whole vocabulary for each row);
+       distribution, not only its mode; plain decoding, which samples faster than speculation at
+       batch 64 on one core: 814 against 509 tok/s for MTP under auto, a step's cost growing with
+       its 64 x (γ + 1) rows);
     3. window = prompt + continuation, (prompt_len + new_tokens) ids.
 The held-out windows continue prompts from the held-out modules (never trained on), greedily, as the
 benchmarks decode. Window i's prompt and its greedy-or-sampled draw depend only on (--seed, i).

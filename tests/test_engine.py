@@ -189,6 +189,18 @@ def test_sampling_is_reproducible_with_a_seed(ckpt):
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
 
 
+def test_a_seeded_request_draws_alike_beside_a_filtered_one(ckpt):
+    """A request without top-k or top-p skips the sort over the vocabulary when its batch-mates do too, and
+    draws the same tokens when a batch-mate filters (the batch then sorts)."""
+    llm = LLM(ckpt, proposer="mtp", num_drafts=3, max_batch=2)
+    plain = SamplingParams(max_new_tokens=16, temperature=1.2, seed=3, ignore_eos=True)
+    mate = SamplingParams(max_new_tokens=16, temperature=0.9, top_k=5, top_p=0.8, seed=4, ignore_eos=True)
+    alone = llm.generate(PROMPTS[:1], plain)[0].token_ids
+    beside = llm.generate(PROMPTS[:2], [plain, mate])
+    assert beside[0].token_ids == alone
+    assert beside[1].token_ids == llm.generate(PROMPTS[1:2], mate)[0].token_ids
+
+
 def test_telemetry_with_a_fake_clock(ckpt):
     ticks = iter(range(0, 10**6, 2))  # every clock read advances 2 ms
     llm = LLM(ckpt, proposer="mtp", num_drafts=3, clock=lambda: next(ticks) * 1e-3)

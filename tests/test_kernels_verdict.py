@@ -14,7 +14,7 @@ from nano_spec_kernels.common import launch
 from nano_spec_kernels.gather_rows import gather_rows, gather_rows_ref
 from nano_spec_kernels.verdict_greedy import verdict_greedy, verdict_greedy_plan, verdict_greedy_ref
 from nano_spec_kernels.verdict_sample import sampling_probs_ref, verdict_sample, verdict_sample_plan, verdict_sample_ref
-from helpers import assert_refuses, assert_unchanged
+from helpers import assert_close, assert_refuses, assert_unchanged
 
 ERRS: dict[str, float] = {}
 
@@ -196,7 +196,8 @@ def test_verdict_greedy_bitmask_rejects_bad_masks(device):
 
 @pytest.mark.parametrize("launcher, ref, names", [
     (verdict_greedy, verdict_greedy_ref, ["logits", "drafts", "nd", "bitmask"]),
-    (verdict_sample, verdict_sample_ref, ["logits", "draft_probs", "drafts", "nd", "uniforms", "temperature", "top_k", "top_p"]),
+    (verdict_sample, verdict_sample_ref, ["logits", "draft_probs", "drafts", "nd", "uniforms", "temperature", "top_k",
+                                          "top_p", "filtered"]),
 ], ids=["greedy", "sample"])
 def test_verdict_signatures(launcher, ref, names):
     """Launcher and reference take the same arguments in the same order (nano_spec passes them positionally)."""
@@ -257,6 +258,37 @@ def test_verdict_sample_matches_reference(device, Bsz, K, V, block_v):
     assert_unchanged("na", r_na, na)
     assert_unchanged("token", r_token, token)
     ERRS["verdict_sample (na, token) mismatches"] = 0.0
+
+
+@pytest.mark.parametrize("mate", ["top_k", "top_p"])
+def test_an_unfiltered_row_is_the_softmax_whatever_its_batch(device, mate):
+    """A row without top-k or top-p gets the softmax at its temperature, bit for bit the same whether the batch
+    runs the sort (filtered: a batch-mate filters) or not; the mate's row is filtered (reference.filtered)."""
+    from nano_spec.reference import filtered
+
+    logits = 3 * torch.randn(3, 2, 37, device=device)
+    temperature = torch.tensor([0.7, 1.3, 1.1], device=device)
+    top_k = torch.tensor([0, 0, 5 if mate == "top_k" else 0], device=device)
+    top_p = torch.tensor([1.0, 1.0, 0.6 if mate == "top_p" else 1.0], device=device)
+    alone = sampling_probs_ref(logits[:2], temperature[:2], top_k[:2], top_p[:2], filtered=False)
+    mixed = sampling_probs_ref(logits, temperature, top_k, top_p, filtered=True)
+    assert_unchanged("unfiltered rows, sorted batch vs not", alone, mixed[:2])
+    assert_close("unfiltered rows vs softmax", torch.softmax(logits[:2].double() / temperature[:2, None, None], -1),
+                 alone, atol=1e-6)
+    for r in range(2):  # the filtering row: the reference's per-row filter
+        assert_close(f"filtered row {r}", filtered(logits[2, r], 1.1, int(top_k[2]), float(top_p[2])), mixed[2, r],
+                     atol=1e-6)
+    assert (mixed[2] > 0).sum() < mixed[2].numel()  # it did filter
+
+
+def test_verdict_sample_unfiltered_skips_the_sort(device):
+    """filtered=False on a batch where no row filters gives what the sorting path gives (launcher vs reference)."""
+    args = list(_sample_inputs(6, 3, 300, device))
+    args[6], args[7] = torch.zeros_like(args[6]), torch.ones_like(args[7])  # top_k off, top_p off
+    na, token = verdict_sample(*args, filtered=False)
+    r_na, r_token = verdict_sample_ref(*args, filtered=True)
+    assert_unchanged("na", r_na, na)
+    assert_unchanged("token", r_token, token)
 
 
 def test_verdict_sample_adversarial(device):

@@ -9,7 +9,8 @@ the logits of row j) and the draft probabilities q_j the drafts were sampled fro
 
 Kernel split: top-k / top-p need a sort over V, so the launcher builds the filtered
 target probabilities p (B, K, V) with `sampling_probs_ref` in torch (the same code the
-draft side uses, so p is bit-identical to the reference's). `_verdict_sample_kernel`
+draft side uses, so p is bit-identical to the reference's). The sort runs only for a batch
+in which some row filters (`filtered`, known on the host): it costs ~50x the softmax. `_verdict_sample_kernel`
 (BLOCK_B sequences per program) then does the rest with gathers and tiled passes over V:
 
   0. the acceptance tests: K-1 loads of p and q at the drafts give na;
@@ -38,15 +39,19 @@ _ARGS = {  # logits and uniforms go through torch, drafts by strides; the kernel
 }
 
 
-def sampling_probs_ref(logits, temperature, top_k, top_p):
-    """logits (B, R, V); temperature (B,) > 0, top_k (B,) int (0 = off), top_p (B,) in (0, 1] ->
+def sampling_probs_ref(logits, temperature, top_k, top_p, filtered: bool = True):
+    """logits (B, R, V); temperature (B,) > 0, top_k (B,) int (0 = off), top_p (B,) in (0, 1] (1 = off) ->
     probs (B, R, V) fp32. top-k keeps the k largest; top-p keeps the smallest prefix of the sorted
-    distribution whose mass reaches top_p (at least one token). Applied to draft and target alike."""
+    distribution whose mass reaches top_p (at least one token). Applied to draft and target alike.
+    filtered: whether any row has top-k or top-p on (the host knows); False skips the sort. A row with
+    neither gets the plain softmax either way, so its probabilities do not depend on its batch."""
     # Shift by the row max before scaling: (x - max) / T <= 0 cannot overflow however small T is. T is
     # floored at fp32's smallest normal, since a tiny T (1e-300) rounds to 0 in fp32.
     lf = logits.float()
     t = temperature.float().clamp(min=torch.finfo(torch.float32).tiny)[:, None, None]
     lf = (lf - lf.amax(-1, keepdim=True)) / t
+    if not filtered:
+        return lf.softmax(-1)
     V = lf.shape[-1]
     sorted_l, order = lf.sort(-1, descending=True)
     k = torch.where(top_k > 0, top_k, V)[:, None, None]
@@ -57,14 +62,16 @@ def sampling_probs_ref(logits, temperature, top_k, top_p):
     keep[..., 0].fill_(True)  # the most likely token always (fill_: no host scalar to upload)
     sp = sp.masked_fill(~keep, 0.0)
     sp = sp / sp.sum(-1, keepdim=True)
-    return torch.zeros_like(sp).scatter(-1, order, sp)
+    on = ((top_k > 0) | (top_p < 1))[:, None, None]  # (B, 1, 1) the rows that filter
+    return torch.where(on, torch.zeros_like(sp).scatter(-1, order, sp), lf.softmax(-1))
 
 
-def verdict_sample_ref(logits, draft_probs, drafts, nd, uniforms, temperature, top_k, top_p):
+def verdict_sample_ref(logits, draft_probs, drafts, nd, uniforms, temperature, top_k, top_p, filtered=True):
     """logits (B, K, V); draft_probs (B, K-1, V); drafts (B, K-1) int64; nd (B,) int64;
-    uniforms (B, K) in [0, 1); temperature, top_k, top_p (B,) -> (na (B,) int64, token (B,) int64)."""
+    uniforms (B, K) in [0, 1); temperature, top_k, top_p (B,); filtered as sampling_probs_ref's
+    -> (na (B,) int64, token (B,) int64)."""
     Bsz, K, V = logits.shape
-    p = sampling_probs_ref(logits, temperature, top_k, top_p)  # (B, K, V)
+    p = sampling_probs_ref(logits, temperature, top_k, top_p, filtered)  # (B, K, V)
     rows = torch.arange(Bsz, device=logits.device)
     if K > 1:
         p_d = p[:, : K - 1].gather(-1, drafts[..., None])[..., 0]  # (B, K-1)
@@ -165,8 +172,8 @@ def sample_meta(V: int, Bsz: int, cuda: bool, block_v: int | None = None) -> dic
     return dict(BLOCK_V=BLOCK_V, BLOCK_B=min(max(1, 2048 // BLOCK_V), triton.next_power_of_2(Bsz), 256), num_warps=4)
 
 
-def verdict_sample_plan(logits, draft_probs, drafts, nd, uniforms, temperature, top_k, top_p, block_v=None, *,
-                        cuda: bool, n_sm: int):
+def verdict_sample_plan(logits, draft_probs, drafts, nd, uniforms, temperature, top_k, top_p, filtered=True,
+                        block_v=None, *, cuda: bool, n_sm: int):
     """The launch after the torch part (the filtered target probabilities); block_v overrides the V tile."""
     dims = _check.args(_ARGS, logits=logits, draft_probs=draft_probs, drafts=drafts, nd=nd,
                        uniforms=uniforms, temperature=temperature, top_k=top_k, top_p=top_p)
@@ -176,7 +183,7 @@ def verdict_sample_plan(logits, draft_probs, drafts, nd, uniforms, temperature, 
     token = torch.empty((Bsz,), dtype=torch.int64, device=dev)
     if Bsz == 0:
         return [], (na, token)
-    p = sampling_probs_ref(logits, temperature, top_k, top_p).contiguous()  # (B, K, V) fp32
+    p = sampling_probs_ref(logits, temperature, top_k, top_p, filtered).contiguous()  # (B, K, V) fp32
     q, d = (draft_probs, drafts) if K > 1 else (p, na)  # K = 1: placeholders the kernel never reads
     meta = sample_meta(V, Bsz, cuda, block_v)
     return [Launch(_verdict_sample_kernel, (triton.cdiv(Bsz, meta["BLOCK_B"]),), (
@@ -196,7 +203,8 @@ def verdict_sample_bytes(B: int, K: int, V: int, act: int) -> dict:
             "drafts, nd, uniforms": B * (K - 1) * 8 + B * 8 + B * K * 4, "na, token": 2 * B * 8}
 
 
-def verdict_sample(logits, draft_probs, drafts, nd, uniforms, temperature, top_k, top_p):
+def verdict_sample(logits, draft_probs, drafts, nd, uniforms, temperature, top_k, top_p, filtered=True):
     """Triton version of verdict_sample_ref (same signature; (na, token) equal for the same uniforms,
     up to the cumsum rounding discussed in the module docstring)."""
-    return launch(verdict_sample_plan, logits, draft_probs, drafts, nd, uniforms, temperature, top_k, top_p)
+    return launch(verdict_sample_plan, logits, draft_probs, drafts, nd, uniforms, temperature, top_k, top_p,
+                  filtered)

@@ -105,6 +105,7 @@ class ModelRunner:
         B, K, phase = len(seqs), gamma + 1, self.tel.phase
         slots = self.slot_ids(seqs)
         all_greedy = all(s.params.greedy for s in seqs)
+        filtered = any(s.params.filters for s in seqs)  # a sort over V only where a row needs one
         constrained = any(s.constraint is not None for s in seqs)
         in_step = gamma > 0 and self.device_drafter and not constrained  # the drafter drafts inside the step
         u_draft = self._uniforms(seqs, gamma, all_greedy)  # draw "drafts"
@@ -119,7 +120,7 @@ class ModelRunner:
         given = () if in_step else (drafts.tokens, drafts.nd, drafts.probs, drafts.refused)
         (logits, emitted, na, packed), Bp = self.graph(
             slots, u_draft, u_verdict, bitmask, *given or (None,) * 4, kv_len=max(s.seq_len for s in seqs) + K,
-            eager=constrained, gamma=gamma, all_greedy=all_greedy, in_step=in_step)
+            eager=constrained, gamma=gamma, all_greedy=all_greedy, filtered=filtered, in_step=in_step)
         if self.max_drafts and not self.device_drafter:  # a host drafter follows every step, γ = 0 ones too
             with phase("catch_up"):
                 before = self.seq_lens[slots] - na - 1  # (B,) the lengths before the step
@@ -128,7 +129,7 @@ class ModelRunner:
             return self._results(logits, emitted, packed, seqs)
 
     def _device_step(self, slots, u_draft, u_verdict, bitmask, tokens, nd, probs, refused, *, kv: int, gamma: int,
-                     all_greedy: bool, in_step: bool, phase):
+                     all_greedy: bool, filtered: bool, in_step: bool, phase):
         """The device part of a step (docs/DESIGN.md §4), one function over buffers allocated once and the inputs
         above, batch-first: slots (B,), uniforms (B, γ) and (B, K) or None, bitmask (B, K, Vw) or None, and a host
         drafter's drafts (tokens (B, γ), nd (B,), probs (B, γ, V) or None, refused (B,) or None) unless in_step.
@@ -136,7 +137,7 @@ class ModelRunner:
         Returns logits (B, K, V), emitted (B, K), na (B,) and packed (B, 4 + K + γ): na, nd, finite, refused, the
         emitted tokens and the drafts, for the step's one copy."""
         K, ops, B, c = gamma + 1, self.model.ops, len(slots), self.cache
-        sampling = self.sampling.select(slots, all_greedy)
+        sampling = self.sampling.select(slots, all_greedy, filtered)
         with phase("propose"):  # 1. drafts: the drafter's (inside the step), or the host's
             drafts = self.drafter.draft_rows(slots, gamma, sampling, u_draft, kv) if in_step else \
                 Drafts(tokens, nd, probs, refused)

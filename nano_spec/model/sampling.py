@@ -62,6 +62,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def filters(self) -> bool:
+        """A sampled request with top-k or top-p on: its probabilities need a sort over the vocabulary."""
+        return not self.greedy and (self.top_k > 0 or self.top_p < 1)
+
 
 @dataclass
 class BatchSampling:
@@ -70,7 +75,8 @@ class BatchSampling:
     temperature: torch.Tensor  # float; 1 on greedy rows (unused there)
     top_k: torch.Tensor        # long
     top_p: torch.Tensor        # float
-    all_greedy: bool
+    all_greedy: bool           # host-known: no row is sampled
+    filtered: bool = False     # host-known: some row has top-k or top-p on (else no sort is run)
 
     @classmethod
     def of(cls, params: list, device) -> "BatchSampling":
@@ -79,14 +85,15 @@ class BatchSampling:
                    temperature=torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=device),
                    top_k=torch.tensor([p.top_k for p in params], device=device),
                    top_p=torch.tensor([float(p.top_p) for p in params], device=device),
-                   all_greedy=all(greedy))
+                   all_greedy=all(greedy), filtered=any(p.filters for p in params))
 
-    def select(self, idx, all_greedy: bool) -> "BatchSampling":
-        """The rows idx; all_greedy is known on the host. An all-greedy batch reads no per-row setting, so
-        nothing is gathered for it."""
+    def select(self, idx, all_greedy: bool, filtered: bool) -> "BatchSampling":
+        """The rows idx; all_greedy and filtered are known on the host. An all-greedy batch reads no per-row
+        setting, so nothing is gathered for it."""
         if all_greedy:
             return GREEDY
-        return BatchSampling(self.greedy[idx], self.temperature[idx], self.top_k[idx], self.top_p[idx], False)
+        return BatchSampling(self.greedy[idx], self.temperature[idx], self.top_k[idx], self.top_p[idx], False,
+                             filtered)
 
     def write(self, row: int, one: "BatchSampling"):
         """Row `row` takes the settings of a one-row BatchSampling (per-slot settings, at admission)."""
@@ -101,7 +108,8 @@ class BatchSampling:
         greedy_tok = logits.float().argmax(-1)
         if self.all_greedy:
             return greedy_tok, None
-        probs = sampling_probs_ref(logits[:, None], self.temperature, self.top_k, self.top_p)[:, 0]  # (B, V) filtered
+        probs = sampling_probs_ref(logits[:, None], self.temperature, self.top_k, self.top_p,
+                                   self.filtered)[:, 0]  # (B, V)
         cdf = probs.cumsum(-1)
         drawn = (cdf <= uniforms[:, None] * cdf[:, -1:]).sum(-1).clamp(max=logits.shape[-1] - 1)
         return torch.where(self.greedy, greedy_tok, drawn), probs
@@ -128,7 +136,7 @@ def accept_rule(ops, logits, drafts, nd, sampling: BatchSampling, q=None, unifor
         return na, picks
     # the target p is the masked one; the drafts' q were masked alike
     na_s, tok_s = ops.verdict_sample(masked(logits, bitmask), q, drafts, nd, uniforms,
-                                     sampling.temperature, sampling.top_k, sampling.top_p)
+                                     sampling.temperature, sampling.top_k, sampling.top_p, sampling.filtered)
     j = torch.arange(logits.shape[1], device=logits.device)
     padded = torch.cat([drafts, drafts.new_zeros(drafts.shape[0], 1)], dim=1)  # (B, K)
     sampled = torch.where(j < na_s[:, None], padded, tok_s[:, None])
