@@ -155,7 +155,8 @@ def parse_args(argv):
     p.add_argument("--plot", help="write a PNG of tau and speedup vs γ and accept_at by position")
     p.add_argument("--json-schema", metavar="FILE", help="also run every configuration under this JSON schema")
     p.add_argument("--temperature", type=float, default=0.0,
-                   help="sample every request at this temperature, seeded by its prompt's index (default: greedy)")
+                   help="sample every request at this temperature, unseeded, so that auto's planner picks γ (a seeded "
+                        "request runs at γ_max; default: greedy)")
     p.add_argument("--top-k", type=int, default=0, help="with --temperature: top-k (0: off)")
     p.add_argument("--top-p", type=float, default=1.0, help="with --temperature: top-p (1: off)")
     return p.parse_args(argv)
@@ -209,9 +210,8 @@ class Engine:
     def generate(self, ids, max_new_tokens):
         self.llm.telemetry.reset()  # the planner keeps learning across rounds, as in a server
         # under a schema a complete output finishes with "stop" even with ignore_eos
-        params = [SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True, json_schema=self.schema,
-                                 temperature=self.args.temperature, top_k=self.args.top_k, top_p=self.args.top_p,
-                                 seed=i) for i in range(len(ids))]
+        params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True, json_schema=self.schema,
+                                temperature=self.args.temperature, top_k=self.args.top_k, top_p=self.args.top_p)
         return [o.token_ids for o in self.llm.generate(ids, params)]
 
     def stats(self):
@@ -336,7 +336,7 @@ def main(argv=None) -> int:
     identical = "not compared: a drafter's steps draw their own random numbers" if args.temperature else \
         "yes (compiled rows to compiled plain" + \
         f"{', and that, llama.cpp and transformers to eager plain' if dtype == 'float32' else ''})"
-    decoding = f"sampled at temperature {args.temperature:g}, top-k {args.top_k}, top-p {args.top_p:g}, seeded" \
+    decoding = f"sampled at temperature {args.temperature:g}, top-k {args.top_k}, top-p {args.top_p:g}, unseeded" \
         if args.temperature else "greedy"
     print(f"model {model_dir.name} in {dtype}, {len(prompts)} prompts x {args.max_new_tokens} new tokens, {decoding}, "
           f"median of {args.repeats} interleaved rounds; outputs identical to plain decoding: {identical}")
