@@ -1,21 +1,19 @@
 """python -m nano_spec.bench: end-to-end speedup of speculative decoding, configurations interleaved.
 
-At each batch size it builds one engine per configuration: plain decoding (γ = 0), MTP at each
-γ, MTP with γ = auto, the checkpoint's DFlash drafter (its dflash/ directory, when it has one) at
-each budget γ = 1 .. Bk-1 and auto, n-gram at γ = 3 and, with --vs-transformers, transformers'
-GraniteMoeHybridForCausalLM.generate on the same base weights. It warms each up, then times
-them in turn for --repeats rounds in one process, checks that every greedy output equals
-plain decoding's in the same mode (identity_base; exit status 1 with the first differing prompt and
-token when one does not), and
-prints a table, the targets of the README and, last, one JSON line.
-With --json-schema FILE every nano_spec configuration also runs under that schema
-("+schema"), its outputs checked against plain decoding under the same schema.
-With --compile every nano_spec configuration also runs with LLM(compile=True) ("+compiled", backend
-torch), warmed up on the whole prompt set until a pass compiles no new graph (at most WARM_PASSES); each
-is checked against compiled plain, and compiled plain against eager plain in fp32 (llama.cpp and transformers too).
-With --vs-llama-cpp MODEL.gguf, at batch 1, llama-cpp-python decodes the same token ids, one prompt at
-a time, on a GGUF of the same base weights (docs/BENCHMARKS.md, "Beside llama.cpp"); with --dtype bfloat16 every
-engine runs in bf16, beside a bf16 GGUF. A checkpoint without an MTP head has no MTP rows.
+At each batch size it builds one engine per configuration: plain decoding (γ = 0), MTP at each γ, MTP with
+γ = auto, the checkpoint's DFlash drafter (its dflash/ directory, when it has one) at each budget γ = 1 .. Bk-1
+and auto, n-gram at γ = 3 and, with --vs-transformers, transformers' GraniteMoeHybridForCausalLM.generate on the
+same base weights. It warms each up, then times them in turn for --repeats rounds in one process, checks that
+every greedy output equals plain decoding's in the same mode (identity_base; exit status 1 with the first
+differing prompt and token when one does not), and prints a table, the targets of the README and one JSON line.
+With --json-schema FILE every nano_spec configuration also runs under that schema ("+schema"), its outputs
+checked against plain decoding under the same schema. With --compile every nano_spec configuration also runs
+with LLM(compile=True) ("+compiled", backend torch), warmed up on the whole prompt set until a pass compiles no
+new graph (at most WARM_PASSES); each is checked against compiled plain, and compiled plain against eager plain
+in fp32 (llama.cpp and transformers too). With --vs-llama-cpp MODEL.gguf, at batch 1, llama-cpp-python decodes
+the same token ids, one prompt at a time, on a GGUF of the same base weights (docs/BENCHMARKS.md, "Beside
+llama.cpp"); with --dtype bfloat16 every engine runs in bf16, beside a bf16 GGUF. With --temperature the
+requests are sampled, and outputs are not compared. A checkpoint without an MTP head has no MTP rows.
 
     speedup = tokens/s / tokens/s of (eager) plain decoding at the same batch size
     tokens/s from the median wall time of the rounds; CPU seconds (all threads) beside it
@@ -40,6 +38,7 @@ import torch
 
 from nano_spec.bench_baselines import LlamaCpp, Transformers
 from nano_spec.bench_floor import matmul_floor_ms
+from nano_spec.bench_plot import plot
 from nano_spec.cli import check_threads, read_schema
 from nano_spec.engine.llm import LLM
 from nano_spec.engine.settings import resolve_device, shipped_weights
@@ -333,9 +332,9 @@ def main(argv=None) -> int:
             return 1
         r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"]
         r["step_speedup"] = base["steps_s"] / r["steps_s"] if r["steps_s"] else None
+    also = ", and that, llama.cpp and transformers to eager plain" if dtype == "float32" else ""
     identical = "not compared: a drafter's steps draw their own random numbers" if args.temperature else \
-        "yes (compiled rows to compiled plain" + \
-        f"{', and that, llama.cpp and transformers to eager plain' if dtype == 'float32' else ''})"
+        f"yes (compiled rows to compiled plain{also})"
     decoding = f"sampled at temperature {args.temperature:g}, top-k {args.top_k}, top-p {args.top_p:g}, unseeded" \
         if args.temperature else "greedy"
     print(f"model {model_dir.name} in {dtype}, {len(prompts)} prompts x {args.max_new_tokens} new tokens, {decoding}, "
@@ -377,33 +376,6 @@ def main(argv=None) -> int:
                       "sampling": {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p},
                       "rows": [{k: v for k, v in r.items() if k != "outputs"} for r in rows]}))
     return 0
-
-
-def plot(rows, path):
-    try:
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("--plot needs matplotlib: pip install 'nano-spec[plot]'", file=sys.stderr)
-        return
-    plt.switch_backend("Agg")
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    batches = sorted({r["batch"] for r in rows})
-    width = 0.8 / len(batches)
-    for i, b in enumerate(batches):
-        mtp = sorted((r for r in rows if r["batch"] == b and r["proposer"] in ("none", "mtp") and r["gamma"] != "auto"),
-                     key=lambda r: r["gamma"])
-        ax1.plot([r["gamma"] for r in mtp], [r["tau"] or 1.0 for r in mtp], "o-", label=f"tau, batch {b}")
-        ax1.plot([r["gamma"] for r in mtp], [r["speedup"] for r in mtp], "s--", label=f"speedup, batch {b}")
-        top = mtp[-1]
-        positions = range(len(top["accept_at"]))
-        ax2.bar([j + i * width for j in positions], top["accept_at"], width, label=f"batch {b}, γ={top['gamma']}")
-    ax1.set(xticks=[r["gamma"] for r in mtp], xlabel="γ (drafts per step)")
-    ax2.set(xticks=[j + (len(batches) - 1) * width / 2 for j in positions], xticklabels=[str(j) for j in positions],
-            xlabel="draft position j", ylabel="accept_at[j]")
-    ax1.legend()
-    ax2.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

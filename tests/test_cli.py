@@ -173,6 +173,17 @@ def test_bench_samples_requests(ckpt, tmp_path, capsys):
     assert "--temperature" in err and len(err.strip().splitlines()) == 1, err
 
 
+def test_bench_plot_writes_a_png(ckpt, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from nano_spec.bench import main
+
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "def f(x):"}) + "\n")
+    assert main(["--model", str(ckpt), "--prompts-file", str(tmp_path / "p.jsonl"), "--max-new-tokens", "4",
+                 "--gammas", "1", "2", "--batch", "1", "--no-ngram", "--no-auto", "--no-dflash", "--repeats", "1",
+                 "--backend", "torch", "--plot", str(tmp_path / "b.png")]) == 0
+    assert (tmp_path / "b.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 @pytest.fixture(scope="module")
 def dflash_ckpt(tmp_path_factory):
     """A tiny checkpoint with a random DFlash drafter in its dflash/ directory."""
