@@ -9,8 +9,8 @@ the logits of row j) and the draft probabilities q_j the drafts were sampled fro
 
 Kernel split: top-k / top-p need a sort over V, so the launcher builds the filtered
 target probabilities p (B, K, V) with `sampling_probs_ref` in torch (the same code the
-draft side uses, so p is bit-identical to the reference's). The sort runs only for a batch
-in which some row filters (`filtered`, known on the host): it costs ~50x the softmax. `_verdict_sample_kernel`
+draft side uses, so p is bit-identical to the reference's); the sort, ~50x the softmax,
+runs only when some row filters (`filtered`, known on the host). `_verdict_sample_kernel`
 (BLOCK_B sequences per program) then does the rest with gathers and tiled passes over V:
 
   0. the acceptance tests: K-1 loads of p and q at the drafts give na;
