@@ -15,6 +15,7 @@ from nano_spec.engine.graph import bucket
 PROMPTS = ["def f(x):", "for i in range(10):\n    print(i)\n", "h", "héllo wörld ✓ héllo", "x = 1\ny = 2\n" * 3]
 GREEDY = SamplingParams(max_new_tokens=16, ignore_eos=True)
 SAMPLED = SamplingParams(max_new_tokens=16, ignore_eos=True, temperature=0.9, seed=11)
+FILTERED = SamplingParams(max_new_tokens=16, ignore_eos=True, temperature=0.9, top_k=5, top_p=0.9, seed=12)
 SCHEMA = SamplingParams(max_new_tokens=40, json_schema={"type": "object", "properties": {"n": {"type": "integer"}},
                                                         "required": ["n"]})
 
@@ -47,7 +48,7 @@ def test_compiled_tokens_equal_eager(ckpt, proposer, gamma):
     # batch 1; batch 3 with slot reuse; a JSON schema. Under auto each engine's planner picks γ from its own
     # clock, so their random draws differ: greedy only there (lossless whatever γ is picked)
     cases = [(PROMPTS[:1], GREEDY), (PROMPTS, GREEDY), (PROMPTS[:3], SCHEMA)]
-    cases += [] if gamma == "auto" else [(PROMPTS, SAMPLED)]
+    cases += [] if gamma == "auto" else [(PROMPTS, SAMPLED), (PROMPTS, [SAMPLED, FILTERED] * 2 + [FILTERED])]
     for prompts, params in cases:
         assert tokens(compiled, prompts, params) == tokens(eager, prompts, params), (proposer, len(prompts), params)
         if gamma == "auto" and params is GREEDY and len(prompts) == 1:
@@ -55,8 +56,9 @@ def test_compiled_tokens_equal_eager(ckpt, proposer, gamma):
             assert sum(eager.planner.hist.values()) == eager.scheduler.steps
             assert 0 < sum(compiled.planner.hist.values()) < compiled.scheduler.steps
     assert compiled.runner.graph.seen and not eager.runner.graph.seen
-    # the greedy and the sampled steps each made their graphs; a step with a grammar ran eager, and made none
-    assert {dict(key[3])["all_greedy"] for key in compiled.runner.graph.seen} == ({True} if gamma == "auto" else {True, False})
+    # the greedy, the sampled and the filtered steps each made their graphs; a step with a grammar ran eager
+    kinds = {(dict(key[3])["all_greedy"], dict(key[3])["filtered"]) for key in compiled.runner.graph.seen}
+    assert kinds == ({(True, False)} if gamma == "auto" else {(True, False), (False, False), (False, True)})
 
 
 def test_bf16_compiled_plain_equals_bf16_eager(ckpt):
@@ -225,9 +227,10 @@ def buffers(llm) -> dict:
 
 
 @pytest.mark.parametrize("proposer, gamma, params, backend", [
-    ("mtp", 3, GREEDY, "torch"), ("mtp", 3, SAMPLED, "torch"), ("dflash", 3, GREEDY, "torch"),
-    ("ngram", 3, SAMPLED, "torch"), ("none", 0, GREEDY, "torch"), ("mtp", 3, SAMPLED, "triton")],
-    ids=["mtp-greedy", "mtp-sampled", "dflash", "ngram-sampled", "plain", "mtp-sampled-triton"])
+    ("mtp", 3, GREEDY, "torch"), ("mtp", 3, SAMPLED, "torch"), ("mtp", 3, FILTERED, "torch"),
+    ("dflash", 3, GREEDY, "torch"), ("ngram", 3, SAMPLED, "torch"), ("none", 0, GREEDY, "torch"),
+    ("mtp", 3, FILTERED, "triton")],
+    ids=["mtp-greedy", "mtp-sampled", "mtp-filtered", "dflash", "ngram-sampled", "plain", "mtp-filtered-triton"])
 def test_the_step_function_holds_the_capture_conditions(ckpt, dflash_ckpt, proposer, gamma, params, backend):
     """The device step, the function a CUDA graph captures, run eager on the CPU with the ops as a graph binds them
     (the sync-free commit on the torch backend; the Triton kernels, interpreted, as the GPU runs them): no op syncs
@@ -270,8 +273,8 @@ class FakeCUDAGraph:
             o.copy_(n)
 
 
-@pytest.mark.parametrize("proposer, params", [("mtp", GREEDY), ("mtp", SAMPLED), ("ngram", SAMPLED)],
-                         ids=["mtp-greedy", "mtp-sampled", "ngram-sampled"])
+@pytest.mark.parametrize("proposer, params", [("mtp", GREEDY), ("mtp", SAMPLED), ("mtp", FILTERED), ("ngram", SAMPLED)],
+                         ids=["mtp-greedy", "mtp-sampled", "mtp-filtered", "ngram-sampled"])
 def test_cuda_graph_mode_replays_the_eager_tokens(ckpt, monkeypatch, proposer, params):
     """The cuda_graph mode's bookkeeping, run on the CPU with a stand-in graph: a bucket's first call runs eager,
     its second captures, later calls copy their inputs into the captured buffers and replay; the tokens are the
