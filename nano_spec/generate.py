@@ -236,9 +236,8 @@ def demo(args, llm, params) -> list:
     if spec:  # decoding: every phase but the prompts' forward and the making of graphs (docs/DESIGN.md §7, §12)
         decode = [sum(e.stats["phase_seconds"].values()) - e.stats["phase_seconds"]["prefill"]
                   - e.stats["compile_seconds"] for e in (llm, plain)]
-        print(f"speculation: {n} tokens, {len(outs)} from prefills, the rest in {st['verify_steps']} verify steps "
-              f"(tau {st['tau']:.2f}); {drafted} were accepted drafts, {n - drafted} the target's picks",
-              file=sys.stderr)
+        print(f"speculation: {n} tokens, {len(outs)} from prefills, the rest in {st['verify_steps']} verify steps (tau "
+              f"{st['tau']:.2f}); {drafted} were accepted drafts, {n - drafted} the target's picks", file=sys.stderr)
         print(f"plain decoding of the same prompts, in turn with it: {'the same' if same else 'OTHER'} tokens in "
               f"{n - len(outs)} steps; decoding took {decode[0] * 1e3:.0f} ms with speculation, {decode[1] * 1e3:.0f} "
               f"ms plain ({decode[1] / decode[0]:.1f}x)", file=sys.stderr)

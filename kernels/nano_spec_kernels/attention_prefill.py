@@ -33,8 +33,7 @@ def attention_prefill_ref(q, k, v, k_cache, v_cache, slot: int, scale: float, ro
     q = apply_rope_ref(q, pos, rope_theta)
     k_cache[slot, :T] = apply_rope_ref(k, pos, rope_theta)  # k is cached rotated
     v_cache[slot, :T] = v
-    kf = k_cache[slot, :T].float().repeat_interleave(rep, dim=1)  # (T, Hq, Dh)
-    vf = v_cache[slot, :T].float().repeat_interleave(rep, dim=1)
+    kf, vf = (c[slot, :T].float().repeat_interleave(rep, dim=1) for c in (k_cache, v_cache))  # (T, Hq, Dh)
     s = torch.einsum("qhd,khd->hqk", q.float(), kf) * scale  # (Hq, T, T)
     s = s.masked_fill(~torch.ones(T, T, dtype=torch.bool, device=q.device).tril(), float("-inf"))
     return torch.einsum("hqk,khd->qhd", s.softmax(-1), vf).to(q.dtype)
@@ -79,9 +78,8 @@ def _prefill_attention_kernel(
     m_m = o_m < T
     m_d = o_d < DH
 
-    # q is rotated in fp32 then rounded to its dtype, as the reference does before the matmul
-    b_q = rope_load(p_q + i_hq * s_q_h, p_inv_freq, o_m * s_q_t, m_m, o_m, o_d, DH, ROPE)  # (BLOCK_M, DH_PAD)
-    b_q = b_q.to(p_q.dtype.element_ty)
+    # q (BLOCK_M, DH_PAD) is rotated in fp32 then rounded to its dtype, as the reference does before the matmul
+    b_q = rope_load(p_q + i_hq * s_q_h, p_inv_freq, o_m * s_q_t, m_m, o_m, o_d, DH, ROPE).to(p_q.dtype.element_ty)
 
     p_k_head = p_kc + slot * s_kc_s + i_hkv * s_kc_h
     p_v_head = p_vc + slot * s_vc_s + i_hkv * s_vc_h
@@ -96,9 +94,8 @@ def _prefill_attention_kernel(
         m_kv = m_kn[:, None] & m_d[None, :]
         b_k = tl.load(p_k_head + o_kn[:, None] * s_kc_t + o_d[None, :], mask=m_kv, other=0.0)  # (BLOCK_N, DH_PAD)
         b_v = tl.load(p_v_head + o_kn[:, None] * s_vc_t + o_d[None, :], mask=m_kv, other=0.0)
-        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC) * scale  # (BLOCK_M, BLOCK_N)
-        b_s = tl.where((o_kn[None, :] <= o_m[:, None]) & m_kn[None, :], b_s, float("-inf"))  # causal
-        b_m, b_l, b_acc = online_softmax_step(b_s, b_v, b_m, b_l, b_acc, DOT_PREC)
+        m_s = (o_kn[None, :] <= o_m[:, None]) & m_kn[None, :]  # causal
+        b_m, b_l, b_acc = online_softmax_step(b_q, b_k, b_v, m_s, scale, b_m, b_l, b_acc, DOT_PREC)
 
     b_o = b_acc / b_l[:, None]
     p_o_blk = p_o + o_m[:, None] * s_o_t + i_hq * s_o_h + o_d[None, :]

@@ -94,8 +94,8 @@ def _verify_attention_kernel(
     m_r = o_r < REP * K
     o_d = tl.arange(0, DH_PAD)
     m_d = o_d < DH
-    o_q = i_b * s_q_b + o_jq * s_q_k + o_hq * s_q_h
-    b_q = rope_load(p_q, p_inv_freq, o_q, m_r, seq_len + o_jq, o_d, DH, ROPE).to(p_q.dtype.element_ty)  # (BLOCK_M, DH_PAD)
+    o_q = i_b * s_q_b + o_jq * s_q_k + o_hq * s_q_h  # rows of the query tile b_q (BLOCK_M, DH_PAD)
+    b_q = rope_load(p_q, p_inv_freq, o_q, m_r, seq_len + o_jq, o_d, DH, ROPE).to(p_q.dtype.element_ty)
 
     b_m = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite start: an empty split stays NaN-free
     b_l = tl.zeros([BLOCK_M], tl.float32)
@@ -113,9 +113,7 @@ def _verify_attention_kernel(
         m_kv = m_kn[:, None] & m_d[None, :]
         b_k = tl.load(p_kc_head + o_kn[:, None] * s_kc_t + o_d[None, :], mask=m_kv, other=0.0)  # (BLOCK_N, DH_PAD)
         b_v = tl.load(p_vc_head + o_kn[:, None] * s_vc_t + o_d[None, :], mask=m_kv, other=0.0)
-        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC) * scale  # (BLOCK_M, BLOCK_N)
-        b_s = tl.where(m_kn[None, :], b_s, float("-inf"))
-        b_m, b_l, b_acc = online_softmax_step(b_s, b_v, b_m, b_l, b_acc, DOT_PREC)
+        b_m, b_l, b_acc = online_softmax_step(b_q, b_k, b_v, m_kn[None, :], scale, b_m, b_l, b_acc, DOT_PREC)
 
     # new keys: split 0 rotates the K new rows, appends them to the cache (WRITE_KV) and attends to them,
     # causally (CAUSAL) or all of them
@@ -133,12 +131,10 @@ def _verify_attention_kernel(
             m_st = m_jd & (o_pos < L)[:, None]
             tl.store(p_kc_head + o_pos[:, None] * s_kc_t + o_d[None, :], b_kn, mask=m_st)
             tl.store(p_vc_head + o_pos[:, None] * s_vc_t + o_d[None, :], b_vn, mask=m_st)
-        b_s = tl.dot(b_q, tl.trans(b_kn), input_precision=DOT_PREC) * scale  # (BLOCK_M, K_PAD)
         m_new = m_j[None, :]  # (1, K_PAD): padding rows of the block are never keys
         if CAUSAL:
             m_new = m_new & (o_j[None, :] <= o_jq[:, None])  # (BLOCK_M, K_PAD)
-        b_s = tl.where(m_new, b_s, float("-inf"))
-        b_m, b_l, b_acc = online_softmax_step(b_s, b_vn, b_m, b_l, b_acc, DOT_PREC)
+        b_m, b_l, b_acc = online_softmax_step(b_q, b_kn, b_vn, m_new, scale, b_m, b_l, b_acc, DOT_PREC)
 
     m_out = m_r[:, None] & m_d[None, :]
     if SPLITS == 1:

@@ -230,6 +230,11 @@ def rms_normalize(b_xf, n, eps, ty):
 
 
 @triton.jit
+def silu(b_x):
+    return b_x / (1.0 + tl.exp(-b_x))
+
+
+@triton.jit
 def mamba_dt(x, dt_lo, dt_hi):
     # clamp(softplus(x), dt_lo, dt_hi) of x = dt + dt_bias, softplus as torch's: x above 20, else log1p(exp(x)),
     # log1p written the accurate way (u * log(w) / (w - 1)) because log(1 + u) loses tiny u.
@@ -250,10 +255,9 @@ def mamba_channels(i_h, o_p, o_n, H: tl.constexpr, P: tl.constexpr, N: tl.conste
 def load_conv_weights(p_conv_w, p_conv_b, o_c, m_c, o_w, W: tl.constexpr, HAS_BIAS: tl.constexpr):
     """Conv weights (channels, BLOCK_W) and biases (channels,) of the conv channels o_c, in fp32."""
     b_w = tl.load(p_conv_w + o_c[:, None] * W + o_w[None, :], mask=m_c[:, None] & (o_w < W)[None, :], other=0.0)
+    b_b = (o_c * 0).to(tl.float32)
     if HAS_BIAS:
         b_b = tl.load(p_conv_b + o_c, mask=m_c, other=0.0).to(tl.float32)
-    else:
-        b_b = (o_c * 0).to(tl.float32)
     return b_w.to(tl.float32), b_b
 
 
@@ -265,9 +269,10 @@ def load_head_params(p_A_log, p_D, p_dt_bias, i_h):
 
 
 @triton.jit
-def online_softmax_step(b_s, b_v, b_m, b_l, b_acc, DOT_PREC: tl.constexpr):
-    """Fold one block of scores b_s (M, N) and values b_v (N, Dh) into the running row max b_m (M,),
-    the running sum b_l (M,) and the unnormalised output b_acc (M, Dh) of flash attention."""
+def online_softmax_step(b_q, b_k, b_v, m_s, scale, b_m, b_l, b_acc, DOT_PREC: tl.constexpr):
+    """Fold keys b_k and values b_v (N, Dh), scores scale * b_q b_k^T (M, N) kept where m_s, into the running row
+    max b_m (M,), the running sum b_l (M,) and the unnormalised output b_acc (M, Dh) of flash attention."""
+    b_s = tl.where(m_s, tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC) * scale, float("-inf"))  # (M, N)
     b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
     b_alpha = tl.exp(b_m - b_m_new)  # rescales what was summed under the old max
     b_p = tl.exp(b_s - b_m_new[:, None])

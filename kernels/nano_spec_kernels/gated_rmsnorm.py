@@ -8,7 +8,7 @@ group rounds to z's dtype before the weight, as in the reference.
 import torch
 import torch.nn.functional as F
 
-from nano_spec_kernels.common import FLOAT, ROW, Arg, Checker, Launch, launch, rms_normalize, tl, triton
+from nano_spec_kernels.common import FLOAT, ROW, Arg, Checker, Launch, launch, rms_normalize, silu, tl, triton
 
 _check = Checker("gated_rmsnorm")
 _ARGS = {"y, z": Arg("... d_in", FLOAT, ROW), "weight": Arg("d_in")}
@@ -30,8 +30,7 @@ def _gated_rmsnorm_kernel(p_y, p_z, p_w, p_out, d_in, group_size, eps, stride_y,
     m = tl.arange(0, BLOCK) < group_size
     b_y = tl.load(p_y + i_m * stride_y + o, mask=m, other=0.0).to(tl.float32)
     b_z = tl.load(p_z + i_m * stride_z + o, mask=m, other=0.0)
-    b_zf = b_z.to(tl.float32)
-    b_u = b_y * (b_zf / (1.0 + tl.exp(-b_zf)))  # y * silu(z)
+    b_u = b_y * silu(b_z.to(tl.float32))
     b_n = rms_normalize(b_u, group_size, eps, b_z.dtype)
     b_w = tl.load(p_w + o, mask=m, other=0.0).to(tl.float32)
     tl.store(p_out + i_m * d_in + o, (b_w * b_n).to(p_out.dtype.element_ty), mask=m)

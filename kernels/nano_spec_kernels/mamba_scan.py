@@ -22,8 +22,8 @@ its conv channels on the fly (x of its head, B_g and C_g of its group, which eve
 import torch
 
 from nano_spec_kernels.common import (FLOAT, ROW, Arg, Checker, Launch, conv_silu_ref, launch, load_conv_weights,
-                                      load_head_params, mamba_channels, mamba_dt, mamba_dt_ref, pow2, split_xbc,
-                                      ssm_step_ref, tl, triton)
+                                      load_head_params, mamba_channels, mamba_dt, mamba_dt_ref, pow2, silu,
+                                      split_xbc, ssm_step_ref, tl, triton)
 
 # Q: tokens per chunk of the SSD form. tl.dot wants >= 16; with N = 128 a chunk of 32 needs more than 255 registers
 # per thread on sm_90 and spills at any warp count (its dots are "ieee", on the FMA units), 16 does not.
@@ -66,7 +66,7 @@ def _conv_silu_tokens(p_xbc, p_conv_w, p_conv_b, stride_t, o_t, m_t, o_c, m_c, W
         b_acc += b_in * b_w[None, :]
     if HAS_BIAS:
         b_acc += tl.load(p_conv_b + o_c, mask=m_c, other=0.0).to(tl.float32)[None, :]
-    return b_acc / (1.0 + tl.exp(-b_acc))
+    return silu(b_acc)
 
 
 @triton.jit
@@ -93,6 +93,8 @@ def _mamba_scan_kernel(
     o_n = tl.arange(0, BLOCK_N)
     m_p, m_n = o_p < P, o_n < N
     o_cx, o_cb, o_cc = mamba_channels(i_h, o_p, o_n, H, P, N, G)  # conv channels: x of head h, B_g and C_g of group g
+    b_A, b_D, b_dt_bias = load_head_params(p_A_log, p_D, p_dt_bias, i_h)
+    b_s = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)  # (BLOCK_P, N) state: zero initially, then entering a chunk
 
     if Q == 1:
         o_w = tl.arange(0, BLOCK_W)  # conv filter positions, BLOCK_W >= W here
@@ -105,27 +107,20 @@ def _mamba_scan_kernel(
         b_wx, b_bx = load_conv_weights(p_conv_w, p_conv_b, o_cx, m_p, o_w, W, HAS_BIAS)
         b_wb, b_bb = load_conv_weights(p_conv_w, p_conv_b, o_cb, m_n, o_w, W, HAS_BIAS)
         b_wc, b_bc = load_conv_weights(p_conv_w, p_conv_b, o_cc, m_n, o_w, W, HAS_BIAS)
-        b_A, b_D, b_dt_bias = load_head_params(p_A_log, p_D, p_dt_bias, i_h)
-        b_s = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)  # (BLOCK_P, N): zero initial state
         p_yt = p_y + i_h * P + o_p
         for t in range(T):
             o_xt = t * stride_t  # offset of token t
             m_tap = (o_w + t >= W - 1)[None, :]  # taps before token 0 read the zero padding
-            b_x = tl.sum(tl.load(p_wx + o_xt, mask=m_xw & m_tap, other=0.0).to(tl.float32) * b_wx, axis=1) + b_bx
-            b_B = tl.sum(tl.load(p_wb + o_xt, mask=m_nw & m_tap, other=0.0).to(tl.float32) * b_wb, axis=1) + b_bb
-            b_C = tl.sum(tl.load(p_wc + o_xt, mask=m_nw & m_tap, other=0.0).to(tl.float32) * b_wc, axis=1) + b_bc
-            b_x = b_x / (1.0 + tl.exp(-b_x))  # SiLU
-            b_B = b_B / (1.0 + tl.exp(-b_B))
-            b_C = b_C / (1.0 + tl.exp(-b_C))
+            b_x = silu(tl.sum(tl.load(p_wx + o_xt, mask=m_xw & m_tap, other=0.0).to(tl.float32) * b_wx, axis=1) + b_bx)
+            b_B = silu(tl.sum(tl.load(p_wb + o_xt, mask=m_nw & m_tap, other=0.0).to(tl.float32) * b_wb, axis=1) + b_bb)
+            b_C = silu(tl.sum(tl.load(p_wc + o_xt, mask=m_nw & m_tap, other=0.0).to(tl.float32) * b_wc, axis=1) + b_bc)
             b_dt = mamba_dt(tl.load(p_dt + t * stride_dt + i_h).to(tl.float32) + b_dt_bias, dt_lo, dt_hi)
             b_s = tl.exp(b_dt * b_A) * b_s + (b_dt * b_x)[:, None] * b_B[None, :]
             b_y = tl.sum(b_s * b_C[None, :], axis=1) + b_D * b_x
             tl.store(p_yt + t * (H * P), b_y.to(p_y.dtype.element_ty), mask=m_p)
     else:
         o_q = tl.arange(0, Q)
-        b_A, b_D, b_dt_bias = load_head_params(p_A_log, p_D, p_dt_bias, i_h)
         m_causal = o_q[:, None] >= o_q[None, :]  # (Q, Q): token t sees s <= t
-        b_s = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)  # (BLOCK_P, N) state entering the chunk
         for t0 in range(0, T, Q):
             o_t = t0 + o_q
             m_t = o_t < T

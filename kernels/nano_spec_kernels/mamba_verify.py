@@ -24,7 +24,8 @@ The Triton version is two launches:
 import torch
 
 from nano_spec_kernels.common import (FLOAT, INT, ROW, Arg, Checker, Launch, conv_silu_ref, launch, load_conv_weights,
-                                      load_head_params, mamba_channels, mamba_dt, mamba_dt_ref, split_xbc, tl, triton)
+                                      load_head_params, mamba_channels, mamba_dt, mamba_dt_ref, silu, split_xbc, tl,
+                                      triton)
 
 _check = Checker("mamba_verify")
 _ARGS = {
@@ -78,8 +79,7 @@ def _conv_silu_row(p_conv_state, p_xbc_b, j, stride_xk, o_c, m_c, b_w, b_bias,
     b_new = tl.load(p_xbc_b + (i[None, :] - Wm1) * stride_xk + o_c[:, None], mask=m_new, other=0.0)
     b_new = b_new.to(p_conv_state.dtype.element_ty)
     b_win = b_old.to(tl.float32) + b_new.to(tl.float32)  # (BLOCK_C, BLOCK_W), disjoint masks
-    b_out = tl.sum(b_win * b_w, axis=1) + b_bias
-    return b_out / (1.0 + tl.exp(-b_out))
+    return silu(tl.sum(b_win * b_w, axis=1) + b_bias)
 
 
 @triton.jit

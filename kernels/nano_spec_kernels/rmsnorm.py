@@ -30,13 +30,12 @@ def _rmsnorm_kernel(p_x, p_res, p_w, p_y, p_h, D, eps, multiplier, stride_x, str
     m_d = o_d < D
     b_x = tl.load(p_x + i_m * stride_x + o_d, mask=m_d, other=0.0)
     ty = b_x.dtype
+    b_h = b_x
     if HAS_RES:
         b_r = tl.load(p_res + i_m * stride_r + o_d, mask=m_d, other=0.0)
         b_mx = (b_x.to(tl.float32) * multiplier).to(ty)  # torch rounds multiplier * x first
         b_h = (b_r.to(tl.float32) + b_mx.to(tl.float32)).to(ty)  # (BLOCK_D,) in x's dtype
         tl.store(p_h + i_m * D + o_d, b_h, mask=m_d)
-    else:
-        b_h = b_x
     b_n = rms_normalize(b_h.to(tl.float32), D, eps, ty)
     b_w = tl.load(p_w + o_d, mask=m_d, other=0.0).to(tl.float32)
     tl.store(p_y + i_m * D + o_d, (b_w * b_n).to(p_y.dtype.element_ty), mask=m_d)

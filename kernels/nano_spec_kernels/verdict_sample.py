@@ -94,13 +94,14 @@ def verdict_sample_ref(logits, draft_probs, drafts, nd, uniforms, temperature, t
 
 
 @triton.jit
-def _chosen_weights(p_p, p_q, o_t, o_q, o_x, m_x, b_resid, K: tl.constexpr):
-    """The weights the token is drawn from, one V block: max(0, p - q) after a rejection, else p."""
+def _chosen_weights(p_p, p_q, o_t, o_q, o_x, m_b, V, b_resid, K: tl.constexpr):
+    """The weights the token is drawn from (max(0, p - q) after a rejection, else p) and the mask of the V block o_x."""
+    m_x = m_b[:, None] & (o_x < V)[None, :]
     b_w = tl.load(p_p + o_t[:, None] + o_x[None, :], mask=m_x, other=0.0)
     if K > 1:
         b_qv = tl.load(p_q + o_q[:, None] + o_x[None, :], mask=m_x & b_resid[:, None], other=0.0).to(tl.float32)
         b_w = tl.where(b_resid[:, None], tl.maximum(b_w - b_qv, 0.0), b_w)
-    return b_w
+    return b_w, m_x
 
 
 @triton.jit
@@ -137,18 +138,15 @@ def _verdict_sample_kernel(
         # 1. does the residual have mass? (order-free: every term is >= 0)
         b_rsum = tl.zeros([BLOCK_B], tl.float32)
         for start in range(0, V, BLOCK_V):
-            o_x = start + o_v
-            m_x = m_b[:, None] & (o_x < V)[None, :]
-            b_rsum += tl.sum(_chosen_weights(p_p, p_q, o_t, o_q, o_x, m_x, m_b, K), 1)  # every row's residual
+            b_r, m_x = _chosen_weights(p_p, p_q, o_t, o_q, start + o_v, m_b, V, m_b, K)  # every row's residual
+            b_rsum += tl.sum(b_r, 1)
         # p == q exactly makes a rejection impossible; fall back to p if rounding produced one
         b_resid = b_resid & (b_rsum > 0.0)
 
     # 2. the running prefix total of the chosen weights w (the last cdf value)
     b_c = tl.zeros([BLOCK_B], tl.float32)
     for start in range(0, V, BLOCK_V):
-        o_x = start + o_v
-        m_x = m_b[:, None] & (o_x < V)[None, :]
-        b_w = _chosen_weights(p_p, p_q, o_t, o_q, o_x, m_x, b_resid, K)
+        b_w, m_x = _chosen_weights(p_p, p_q, o_t, o_q, start + o_v, m_b, V, b_resid, K)
         b_c += tl.max(tl.cumsum(b_w, 1), 1)  # = the block's last prefix (w >= 0), as pass 3 sees it
     b_thresh = tl.load(p_u + o_b * s_u_b + (K - 1) * s_u_k, mask=m_b, other=0.0) * b_c
 
@@ -156,9 +154,7 @@ def _verdict_sample_kernel(
     b_cnt = tl.zeros([BLOCK_B], tl.int64)
     b_c = tl.zeros([BLOCK_B], tl.float32)
     for start in range(0, V, BLOCK_V):
-        o_x = start + o_v
-        m_x = m_b[:, None] & (o_x < V)[None, :]
-        b_w = _chosen_weights(p_p, p_q, o_t, o_q, o_x, m_x, b_resid, K)
+        b_w, m_x = _chosen_weights(p_p, p_q, o_t, o_q, start + o_v, m_b, V, b_resid, K)
         b_scan = tl.cumsum(b_w, 1)  # (BLOCK_B, BLOCK_V)
         b_cnt += tl.sum(((b_c[:, None] + b_scan <= b_thresh[:, None]) & m_x).to(tl.int64), 1)
         b_c += tl.max(b_scan, 1)

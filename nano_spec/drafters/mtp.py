@@ -9,9 +9,8 @@ class MTPDrafter(DeviceDrafter):
     """Its state per slot: the KV rows of its attention layer, and `head_out`, its output at the last accepted row."""
 
     def __init__(self, model, max_drafts: int, num_slots: int, max_len: int):
-        self.model, self.max_drafts = model, max_drafts
         cfg, p = model.cfg, next(model.parameters())
-        self.device = p.device
+        self.model, self.max_drafts, self.device = model, max_drafts, p.device
         self.k = torch.zeros(num_slots, max_len, cfg.num_key_value_heads, cfg.head_dim, device=p.device, dtype=p.dtype)
         self.v = torch.zeros_like(self.k)                                    # (S, L, Hkv, Dh)
         self.head_out = torch.zeros(num_slots, cfg.hidden_size, device=p.device, dtype=p.dtype)  # (S, D)

@@ -31,7 +31,6 @@ TEMPLATE_FROM = 64 << 20  # weight bytes from which a compiled graph's matmuls u
 
 
 def mode_of(compile: bool, device) -> str:
-    """LLM(compile=...)'s mode on a device: a CUDA graph on CUDA, torch.compile elsewhere."""
     return "eager" if not compile else "cuda_graph" if torch.device(device).type == "cuda" else "compiled"
 
 
@@ -41,7 +40,6 @@ def bucket(n: int, least: int, most: int) -> int:
 
 
 def buckets(least: int, most: int) -> set:
-    """Every bucket of n in [1, most]."""
     return {bucket(n, least, most) for n in range(1, most + 1)}
 
 
@@ -63,8 +61,7 @@ def compile_fn(fn, template: bool = False):
         that, bf16 compiled logits drift from eager's and greedy tokens part within a few dozen (fp32 is unaffected).
       - template: the weights are frozen into the graph (`freezing`: read under no_grad, they become constants)
         and every matmul by a weight is inductor's C++ GEMM template (`max_autotune` with the CPP backend alone, so
-        nothing is benchmarked), which packs the weight into column blocks at compile time and reads it once
-        whatever the row count. A graph holds its own packed copy of the weights.
+        nothing is benchmarked; gemm_template says why). A graph holds its own packed copy of the weights.
       - Dynamo's settings are these calls', not the process's: every bucket is one more entry of fn's code object,
         and a hit limit is an error rather than a silent fall back to eager."""
     options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe, "emulate_precision_casts": True}

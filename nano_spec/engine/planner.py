@@ -18,6 +18,8 @@ kernel specialisation or graph, and a probe that costs a step. Every PROBE-th st
 choice is lossless. Plain host arithmetic; no tensors.
 """
 from collections import Counter
+from itertools import accumulate
+from operator import mul
 
 PROBE = 6                    # one step in PROBE tries a neighbour (γ*-1, γ*+1, then 0, in turn)
 PRIOR_ACCEPT = (0.8, 0.75)   # a_1, then a_j for j > 1, as PRIOR_WEIGHT pseudo-trials
@@ -68,11 +70,7 @@ class DraftPlanner:
         return [h / t for h, t in zip(self.hits, self.trials)]
 
     def expected_tokens(self, gamma: int) -> float:
-        e, p = 1.0, 1.0
-        for a in self.accept()[:gamma]:
-            p *= a
-            e += p
-        return e
+        return sum(accumulate(self.accept()[:gamma], mul), 1.0)  # E(γ) = 1 + Σ_{i≤γ} Π_{j≤i} a_j
 
     def step_cost(self, B: int, gamma: int) -> float:
         """t_B(γ) in seconds (relative while nothing at B's class was measured)."""
@@ -126,9 +124,8 @@ class DraftPlanner:
             self.bare.setdefault(c, Decayed(self.keep_cost)).add(max(seconds - drafter_seconds, MIN_SECONDS) / B)
         else:
             self.seen.setdefault((c, gamma), Decayed(self.keep_cost)).add(per_seq)
-            k = self.keep_cost
-            self.line[c] = [k * a + b for a, b in zip(self.line.get(c, (0.0,) * 5),
-                                                      (1.0, gamma, gamma * gamma, per_seq, gamma * per_seq))]
+            self.line[c] = [self.keep_cost * a + b for a, b in zip(
+                self.line.get(c, (0.0,) * 5), (1.0, gamma, gamma * gamma, per_seq, gamma * per_seq))]
         self.hist[gamma] += 1
         self.pred_time += seconds
         self.pred_weighted += self.speedups(B, bare=True)[gamma] * seconds

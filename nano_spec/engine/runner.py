@@ -134,8 +134,7 @@ class ModelRunner:
         above, batch-first: slots (B,), uniforms (B, γ) and (B, K) or None, bitmask (B, K, Vw) or None, and a host
         drafter's drafts (tokens (B, γ), nd (B,), probs (B, γ, V) or None, refused (B,) or None) unless in_step.
         kv: the KV rows attention reads; phase(name): a context that times a part (a no-op inside a graph).
-        Returns logits (B, K, V), emitted (B, K), na (B,) and packed (B, 4 + K + γ): na, nd, finite, refused, the
-        emitted tokens and the drafts, for the step's one copy."""
+        Returns logits (B, K, V), emitted (B, K), na (B,) and packed (B, 4 + K + γ) for the step's one copy (pack)."""
         K, ops, B, c = gamma + 1, self.model.ops, len(slots), self.cache
         sampling = self.sampling.select(slots, all_greedy, filtered)
         with phase("propose"):  # 1. drafts: the drafter's (inside the step), or the host's
@@ -168,7 +167,6 @@ class ModelRunner:
         return isinstance(self.drafter, DeviceDrafter)
 
     def compiled_calls(self) -> list:
-        """This engine's graph-making calls: none when eager."""
         return [] if self.graph.mode == "eager" else [self.graph]
 
     def compile_seconds(self) -> float:
@@ -194,8 +192,7 @@ class ModelRunner:
                             self.cache.tap_stash(Bp, K)[:B] if self.taps else None)
 
     def _results(self, logits, emitted, packed, seqs) -> list:
-        """The step's one device-to-host copy: na, nd, finiteness, refusals, emitted tokens, drafts (and the
-        logprobs, if asked)."""
+        """The step's one device-to-host copy: the packed rows (pack) and, if asked, the logprobs."""
         packed = packed.tolist()
         top_n = max(s.params.logprobs for s in seqs)
         if top_n:  # chosen (B, K), top values and ids (B, K, n) as host lists

@@ -208,11 +208,9 @@ class Scheduler:
         p, c = seq.params, seq.constraint
         if c is not None and not c.consume(token):  # not reached: every pick and draft is made under the mask
             self._end(seq, f"grammar: {c.error}")
-        elif token in p.stop_token_ids or (token in self.tok.eos_ids and not p.ignore_eos):
-            seq.finish_reason = "stop"
-        elif new_text and p.stop and self._cut_at_stop(seq, len(new_text)):  # before the grammar's end: cut
-            seq.finish_reason = "stop"
-        elif c is not None and c.stopped:  # the grammar is complete: only EOS could follow
+        elif (token in p.stop_token_ids or (token in self.tok.eos_ids and not p.ignore_eos)
+              or (new_text and p.stop and self._cut_at_stop(seq, len(new_text)))  # before the grammar's end: cut
+              or (c is not None and c.stopped)):  # the grammar is complete: only EOS could follow
             seq.finish_reason = "stop"
         elif len(seq.generated) >= p.max_new_tokens or len(seq.tokens) >= self.max_seq_len:
             seq.finish_reason = "length"
@@ -228,7 +226,6 @@ class Scheduler:
         return bool(hits)
 
     def _release(self, seqs: list):
-        """Free the slots of the finished sequences among seqs."""
         for seq in seqs:
             if seq.finished and seq.slot is not None:
                 self.free_slots.append(seq.slot)

@@ -56,7 +56,6 @@ class ThreadTuner:
         return self.other if self.probing else self.current
 
     def apply(self):
-        """Set torch's intra-op threads (process-wide) to threads(), when they differ."""
         if torch.get_num_threads() != self.threads():
             torch.set_num_threads(self.threads())
 

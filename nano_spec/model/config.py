@@ -185,9 +185,8 @@ class ModelConfig:
         """Every field checked, whoever builds the config; num_key_value_heads and mamba_d_head 0 are filled in."""
         # num_hidden_layers is the property len(layer_types)
         check_fields(self, {name: (0, cap) for name, cap in LIMITS.items()}, FLOATS, ConfigError)
-        for name in BOOLS:  # the string "false" would count as true
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name}: {getattr(self, name)!r} is not true or false")
+        check_rules(((isinstance(getattr(self, n), bool), f"{n}: {getattr(self, n)!r} is not true or false")
+                     for n in BOOLS), ConfigError)  # the string "false" would count as true
         for name in ("bos_token_id", "pad_token_id"):
             if getattr(self, name) is not None and not is_int(getattr(self, name)):
                 raise ConfigError(f"{name}: {getattr(self, name)!r} is not a token id (an integer >= 0) or null")

@@ -100,8 +100,7 @@ def library() -> ctypes.CDLL:
                 raise RuntimeError(f"compile: {cc} could not build the CPU Mamba kernel:\n{done.stderr[-2000:]}")
             os.replace(out, path)
     lib = ctypes.CDLL(str(path))
-    lib.mamba_rows.restype = ctypes.c_int
-    pointers, sizes = ctypes.c_void_p, ctypes.c_int64
+    pointers, sizes = ctypes.c_void_p, ctypes.c_int64  # the return type is ctypes' default, a C int
     lib.mamba_rows.argtypes = [pointers] * 5 + [sizes] * 2 + [pointers] * 3 + [sizes] * 6
     return lib
 

@@ -253,9 +253,8 @@ class DFlashModel(nn.Module):
     def draft_hidden(self, x, slot_ids, ctx_lens, k_cache, v_cache):
         """The engine's forward: x (B, Bk, D) at positions ctx_lens[b] + j; the context's K/V are rows
         [0, ctx_lens[b]) of slot slot_ids[b] in k_cache, v_cache (Ld, S, L, Hkv, Dh) -> final-normed (B, Bk, D)."""
-        attend = lambda i, q, k, v: self.ops.attention_block(q, k, v, k_cache[i], v_cache[i],  # noqa: E731
-                                                             slot_ids, ctx_lens, self.scale, self.cfg.rope_theta)
-        return self._layers(x, attend)
+        return self._layers(x, lambda i, q, k, v: self.ops.attention_block(q, k, v, k_cache[i], v_cache[i], slot_ids,
+                                                                          ctx_lens, self.scale, self.cfg.rope_theta))
 
 
 def load_drafter(path, cfg: DFlashConfig, ops, device, dtype) -> DFlashModel:

@@ -37,8 +37,7 @@ def write_op(schema: str, meta=lambda *args: None):
 def mamba_write(conv_state: Tensor, ssm_state: Tensor, conv_stash: Tensor, ssm_stash: Tensor, slot_ids: Tensor,
                 window: Tensor, decay: Tensor, u: Tensor, B: Tensor, C: Tensor) -> Tensor:
     """The recurrence of the K rows (cpu_rows.mamba_rows: the stash and the live states written, y returned),
-    and the window (B, C, W-1+K) into the conv stash, the conv windows of slots slot_ids advanced to the last
-    row."""
+    then the conv writes of the window (B, C, W-1+K)."""
     y = mamba_rows(ssm_state, ssm_stash, slot_ids, decay, u, B, C)
     conv_stash.copy_(window)
     conv_state[slot_ids] = window[:, :, window.shape[2] - conv_state.shape[2]:]

@@ -81,11 +81,9 @@ def _hub_answers(model_id: str) -> bool:
 
     try:
         HfApi().repo_info(model_id)
-    except HfHubHTTPError:
         return True
-    except Exception:  # a connection error, of whichever HTTP library this huggingface_hub version uses
-        return False
-    return True
+    except Exception as e:  # an HTTP refusal, or a connection error of whichever HTTP library huggingface_hub uses
+        return isinstance(e, HfHubHTTPError)
 
 
 def _first_line(e: Exception) -> str:

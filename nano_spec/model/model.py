@@ -230,7 +230,6 @@ class HybridLM(nn.Module):
         """
         B, K = ids.shape
         ssm_stash, conv_stash = cache.ssm_stash(B, K), cache.conv_stash(B, K)
-        kv = slice(None, kv_len)
 
         def mix(i, layer, y):  # y (B, K, D)
             if layer.kind == "mamba":
@@ -241,7 +240,7 @@ class HybridLM(nn.Module):
                                            self.cfg.mamba_n_groups, self.cfg.time_step_limit)  # (B, K, H, P)
                 return self._mamba_out(layer.mamba, ys, z)
             a = cache.attn_index[i]
-            return self._attend(layer.self_attn, y, cache.k[a, :, kv], cache.v[a, :, kv], slot_ids, seq_lens)
+            return self._attend(layer.self_attn, y, cache.k[a, :, :kv_len], cache.v[a, :, :kv_len], slot_ids, seq_lens)
 
         y = self._stack(self.embed(ids), self.model.layers, self.model.norm, mix, cache.tap_index,
                         cache.tap_stash(B, K))
@@ -250,8 +249,7 @@ class HybridLM(nn.Module):
 
     # ---- 4. the MTP draft head -----------------------------------------------------------------
     def _mtp(self, next_ids, h, attend):
-        """The head's layer over m = eh_proj([enorm(embed(x_{p+1})) | hnorm(h_p)]) for next_ids (...), h (..., D),
-        attend(attn, y) its attention -> o (..., D)."""
+        """MTPHead's layer over next_ids (...) and h (..., D), attend(attn, y) its attention -> o (..., D)."""
         eps, mtp = self.cfg.rms_norm_eps, self.mtp
         e = self.ops.rmsnorm(self.model.embed_tokens(next_ids), mtp.enorm.weight, eps)[0]
         hn = self.ops.rmsnorm(h, mtp.hnorm.weight, eps)[0]
@@ -277,9 +275,8 @@ class HybridLM(nn.Module):
 
         Catch-up after a verify (R = K) and each recursive draft step (R = 1).
         """
-        kv = slice(None, kv_len)
-        return self._mtp(next_ids, h, lambda attn, y: self._attend(attn, y, k_cache[:, kv], v_cache[:, kv], slot_ids,
-                                                                   positions))
+        return self._mtp(next_ids, h, lambda attn, y: self._attend(attn, y, k_cache[:, :kv_len], v_cache[:, :kv_len],
+                                                                   slot_ids, positions))
 
 
 def load_model(path, device="cpu", dtype=torch.float32, backend: str = "torch") -> HybridLM:

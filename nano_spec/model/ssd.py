@@ -33,8 +33,7 @@ def segsum(a):
     rep = a[..., None].expand(*a.shape, l)  # rep[..., i, j] = a[i]
     below = torch.tril(torch.ones(l, l, dtype=torch.bool, device=a.device), diagonal=-1)
     s = rep.masked_fill(~below, 0).cumsum(dim=-2)  # s[i, j] = a[j+1] + ... + a[i] for i > j
-    keep = torch.tril(torch.ones(l, l, dtype=torch.bool, device=a.device))
-    return s.masked_fill(~keep, -INF)
+    return s.masked_fill(below.T, -INF)  # below.T: i < j
 
 
 def mamba_scan_chunked(xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, n_groups: int, head_dim: int,

@@ -13,7 +13,6 @@ from nano_spec.text.tokenizer import special_token, tokenizer_config
 
 TEMPLATE_FILE = "chat_template.jinja"
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
-EXAMPLE = "ibm-granite/granite-4.0-h-350m"
 
 
 def conversation(messages, where: str = "messages") -> list:
@@ -35,10 +34,9 @@ def conversation(messages, where: str = "messages") -> list:
 
 def conversations(messages) -> tuple:
     """(list of validated conversations, whether one was given rather than a list of them)."""
-    batch = isinstance(messages, (list, tuple)) and messages and isinstance(messages[0], (list, tuple))
-    if not batch:
-        return [conversation(messages)], True
-    return [conversation(c, f"messages[{i}]") for i, c in enumerate(messages)], False
+    if isinstance(messages, (list, tuple)) and messages and isinstance(messages[0], (list, tuple)):
+        return [conversation(c, f"messages[{i}]") for i, c in enumerate(messages)], False
+    return [conversation(messages)], True
 
 
 class ChatTemplate:
@@ -54,7 +52,7 @@ class ChatTemplate:
         if self.source is None:
             raise ValueError(f"chat_template: {self.path} has none (looked in {TEMPLATE_FILE} and "
                              "tokenizer_config.json); base models such as the shipped weights have none: use an "
-                             f"instruct checkpoint, e.g. {EXAMPLE}")
+                             "instruct checkpoint, e.g. ibm-granite/granite-4.0-h-350m")
         if self._compiled is None:
             self._compiled = _compile(self.source, self.file)
         try:

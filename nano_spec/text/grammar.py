@@ -58,8 +58,7 @@ class Constraint:
         return self.m.try_consume_tokens([token]) == 1
 
     def rollback(self, n: int):
-        if n:
-            self.m.rollback(n)
+        self.m.rollback(n)
 
     def valid_prefix(self, tokens: list) -> int:
         """How many leading tokens the grammar allows, in order."""
@@ -77,7 +76,6 @@ class Constraint:
 
     @property
     def error(self) -> str:
-        """What went wrong, on one line."""
         message = one_line(self.m.get_error())
         if message in DEAD_END:
             return f"dead end: nothing the grammar allows can follow the output ({message})"
@@ -95,10 +93,8 @@ class DraftMasks:
         self.pos = 0  # positions pushed so far
         self.on = any(c is not None for c in constraints)
 
-    def mask(self) -> torch.Tensor | None:
-        """(R, Vw) on the device, or None when no row is constrained (no host work, no copy)."""
-        if not self.on:
-            return None
+    def mask(self) -> torch.Tensor:
+        """(R, Vw) on the device; callers ask only when `on` (a free batch does no host work, no copy)."""
         Vw = next(c for c in self.cons if c is not None).Vw
         out = torch.full((len(self.cons), Vw), -1, dtype=torch.int32)
         for r, c in enumerate(self.cons):
@@ -108,8 +104,6 @@ class DraftMasks:
 
     def push(self, tokens: torch.Tensor, i: int):
         """Draft i of every row, tokens (R,), advances the constrained rows' matchers."""
-        if not self.on:
-            return
         self.pos = i + 1
         for r, (c, t) in enumerate(zip(self.cons, tokens.tolist())):
             if c is not None and self.num[r] > i and not c.push(t):
@@ -119,7 +113,6 @@ class DraftMasks:
         for c, n in zip(self.cons, self.num):
             if c is not None:
                 c.rollback(min(n, self.pos))
-        self.pos = 0
 
 
 def verify_bitmask(constraints: list, drafts: torch.Tensor, nd: torch.Tensor) -> torch.Tensor:
@@ -184,9 +177,9 @@ class Grammars:
             g = GRAMMAR_OF[field](value)
         except (ValueError, TypeError) as e:
             raise ValueError(f"SamplingParams.{field}: invalid ({one_line(str(e))})") from None
-        err = llguidance.LLMatcher.validate_grammar(g, self.tok)
-        matcher = None if err else llguidance.LLMatcher(self.tok, g, log_level=0)
-        err = err or matcher.get_error()
+        # an invalid grammar leaves the matcher in its error state, with validate_grammar's message: one compile
+        matcher = llguidance.LLMatcher(self.tok, g, log_level=0)
+        err = matcher.get_error()
         if err:
             raise ValueError(f"SamplingParams.{field}: invalid (llguidance: {one_line(err)})")
         return matcher
