@@ -50,8 +50,9 @@ def sampling_probs_ref(logits, temperature, top_k, top_p, filtered: bool = True)
     lf = logits.float()
     t = temperature.float().clamp(min=torch.finfo(torch.float32).tiny)[:, None, None]
     lf = (lf - lf.amax(-1, keepdim=True)) / t
+    p = lf.softmax(-1)  # (B, R, V) what a row without filters draws from
     if not filtered:
-        return lf.softmax(-1)
+        return p
     V = lf.shape[-1]
     sorted_l, order = lf.sort(-1, descending=True)
     k = torch.where(top_k > 0, top_k, V)[:, None, None]
@@ -63,7 +64,7 @@ def sampling_probs_ref(logits, temperature, top_k, top_p, filtered: bool = True)
     sp = sp.masked_fill(~keep, 0.0)
     sp = sp / sp.sum(-1, keepdim=True)
     on = ((top_k > 0) | (top_p < 1))[:, None, None]  # (B, 1, 1) the rows that filter
-    return torch.where(on, torch.zeros_like(sp).scatter(-1, order, sp), lf.softmax(-1))
+    return torch.where(on, torch.zeros_like(sp).scatter(-1, order, sp), p)
 
 
 def verdict_sample_ref(logits, draft_probs, drafts, nd, uniforms, temperature, top_k, top_p, filtered=True):
