@@ -24,7 +24,9 @@ requests are sampled, and outputs are not compared. A checkpoint without an MTP 
     step ms = the step phases' seconds / engine steps (the median round)
     floor ms = the matmuls that read a weight in the device steps of one pass of the eager engine of the same
         configuration, recorded with their own tensors and replayed alone (the same aten calls, so the same
-        GEMM path and weight layout), per engine step: what the steps would cost if they were only their matmuls
+        GEMM path and weight layout), per engine step: what the steps would cost if they were only their matmuls;
+        for a compiled engine that packs its weights, the products of few rows replayed in its C instead
+        (nano_spec/bench_floor.py)
     overhead = step ms / floor ms
 """
 import argparse
@@ -43,6 +45,7 @@ from nano_spec.cli import check_threads, read_schema
 from nano_spec.engine.llm import LLM
 from nano_spec.engine.settings import resolve_device, shipped_weights
 from nano_spec.model.config import ModelConfig
+from nano_spec.model.cpu_rows import RowsLinear
 from nano_spec.model.sampling import SamplingParams
 
 # the README's benchmark targets: (row, goal, measured value from {batch: {config: row}}); all are "value >= goal"
@@ -258,6 +261,8 @@ def measure(engines, ids, args) -> list:
     print(file=sys.stderr)
     floor = {e.name: matmul_floor_ms(e.llm, lambda: e.generate(ids, args.max_new_tokens)) for e in engines
              if isinstance(e, Engine) and not e.compiled and not e.schema}
+    packs = {e.name: any(isinstance(m, RowsLinear) for m in e.llm.model.modules()) for e in engines
+             if isinstance(e, Engine)}  # a compiled engine's products of few rows in C (docs/DESIGN.md §12)
     rows = []
     for e in engines:
         name = e.name
@@ -266,7 +271,7 @@ def measure(engines, ids, args) -> list:
         median_round = None if steps_s is None else steps[name].index(sorted(steps[name])[len(steps[name]) // 2])
         n = None if median_round is None else engine_steps[name][median_round]
         step_ms = steps_s * 1e3 / n if n else None  # the median round's
-        floor_ms = floor.get(name.removesuffix(" +compiled"))
+        floor_ms = floor.get(name.removesuffix(" +compiled"), {}).get("rows" if packs.get(name) else "aten")
         rows.append({"config": name, "proposer": e.proposer, "gamma": e.gamma, "batch": None,
                      "threads": torch.get_num_threads(), "tokens": tokens, "wall_s": median_wall,
                      "cpu_s": statistics.median(cpu[name]), "tokens_per_s": tokens / median_wall,

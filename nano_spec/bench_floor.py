@@ -1,6 +1,8 @@
 """The matmul floor of a bench row (python -m nano_spec.bench, docs/BENCHMARKS.md): the matmuls that read a weight in
 the device steps of one pass, recorded with their own tensors and replayed alone. The same aten calls run, so the
-same GEMM path and weight layout: what the steps would cost if they were only their matmuls.
+same GEMM path and weight layout: what the steps would cost if they were only their matmuls. A compiled engine
+that packs its weights (nano_spec/model/cpu_rows.py) runs the products of few rows in C instead: its floor replays
+those through rows_mm over packed copies of the same weights.
 
     floor ms = replay seconds (median of rounds) / engine steps of the pass
 """
@@ -9,6 +11,8 @@ import time
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from nano_spec.model.cpu_rows import ROWS_MAX, pack_rows, rows_mm
 
 MATMULS = ("mm", "addmm", "bmm")  # the aten calls a linear becomes
 
@@ -51,13 +55,32 @@ def record(llm, run) -> tuple:
     return recorder.calls, len(steps)
 
 
-def matmul_floor_ms(llm, run, rounds: int = 3) -> float:
-    """floor ms of an eager engine llm: the weight matmuls of run()'s device steps, replayed alone, per step."""
+def as_packed(calls) -> list:
+    """The recorded calls as a packing compiled step runs them: mm(x, w) and addmm(b, x, w) of at most ROWS_MAX fp32
+    rows through rows_mm over w's packed copy (made here, once per weight; the bias add left out), the rest as they
+    are. w is the weight as a linear passes it, (in, out)."""
+    packs, out = {}, []
+    for func, args, kwargs in calls:
+        x, w = {"mm": args[:2], "addmm": args[1:3]}.get(func.overloadpacket.__name__, (None, None))
+        if x is None or x.shape[0] > ROWS_MAX or x.dtype != torch.float32:
+            out.append((func, args, kwargs))
+            continue
+        key = (w.data_ptr(), tuple(w.shape), w.stride())
+        packs[key] = packs[key] if key in packs else pack_rows(w.t())
+        out.append((rows_mm, (x, packs[key], w.shape[1]), {}))
+    return out
+
+
+def matmul_floor_ms(llm, run, rounds: int = 3) -> dict:
+    """floor ms of an eager engine llm: the weight matmuls of run()'s device steps, replayed alone, per step, as
+    recorded ("aten") and as a packing compiled engine of the same configuration runs them ("rows", as_packed)."""
     calls, steps = record(llm, run)
-    seconds = []
+    paths = {"aten": calls, "rows": as_packed(calls)}
+    seconds = {path: [] for path in paths}
     for _ in range(rounds):
-        t0 = time.perf_counter()
-        for func, args, kwargs in calls:
-            func(*args, **kwargs)
-        seconds.append(time.perf_counter() - t0)
-    return statistics.median(seconds) * 1e3 / max(steps, 1)
+        for path, replay in paths.items():  # interleaved
+            t0 = time.perf_counter()
+            for func, args, kwargs in replay:
+                func(*args, **kwargs)
+            seconds[path].append(time.perf_counter() - t0)
+    return {path: statistics.median(s) * 1e3 / max(steps, 1) for path, s in seconds.items()}

@@ -9,7 +9,7 @@ For each K (rows per sequence, batch 1), in one process, interleaved:
   - matmul floor ms: every linear of the target and the tied lm_head alone, at K rows, through ATen's GEMM (what
     eager runs): the least an eager step can cost;
   - gemm floor ms: the same matmuls compiled as the compiled call's are (--gemm: inductor's C++ GEMM template over
-    frozen weights, or ATen's): the least a compiled step can cost;
+    frozen weights, cpu_rows' C over packed copies, or ATen's): the least a compiled step can cost;
   - stream ms: one pass (a sum) over as many bytes as those weights, what one core's memory bandwidth allows;
   - stash floor ms: every Mamba layer's state read once and written to its K stash rows (one copy_), the bytes
     the K-row recurrence must move whatever computes it;
@@ -32,6 +32,7 @@ from torch.profiler import ProfilerActivity, profile
 from nano_spec.engine.capacity import weight_bytes
 from nano_spec.engine.graph import compile_fn, gemm_template
 from nano_spec.engine.llm import LLM
+from nano_spec.model.cpu_rows import linear, pack_linears, pack_rows
 from nano_spec.model.graph_ops import use_graph_ops
 from nano_spec.engine.settings import shipped_weights
 
@@ -44,14 +45,16 @@ def mean_ms(fn, calls: int) -> float:
 
 
 class Linears(torch.nn.Module):
-    """The weights' matmuls alone, as parameters (frozen into a compiled graph as the model's are)."""
+    """The weights' matmuls alone, as parameters (frozen into a compiled graph as the model's are); packed: over
+    packed copies (cpu_rows.linear), as a compiled step below the template's threshold runs them in fp32."""
 
-    def __init__(self, weights):
+    def __init__(self, weights, packed: bool):
         super().__init__()
         self.weights = torch.nn.ParameterList(torch.nn.Parameter(w, requires_grad=False) for w in weights)
+        self.packed = [pack_rows(w) if packed else None for w in weights]
 
     def forward(self, xs):
-        return [F.linear(x, w) for x, w in zip(xs, self.weights)]
+        return [linear(x, w, None, p) for x, w, p in zip(xs, self.weights, self.packed)]
 
 
 def main(argv=None):
@@ -63,9 +66,9 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds; medians are reported")
     p.add_argument("--calls", type=int, default=20, help="calls per round")
     p.add_argument("--top", type=int, default=8, help="ops listed from the compiled call's profile")
-    p.add_argument("--gemm", choices=["auto", "template", "aten"], default="auto",
-                   help="the compiled call's matmuls: inductor's C++ GEMM template or ATen's (auto: as the engine "
-                        "chooses, by the weights' size)")
+    p.add_argument("--gemm", choices=["auto", "template", "rows", "aten"], default="auto",
+                   help="the compiled call's matmuls: inductor's C++ GEMM template, C over packed weights (fp32) or "
+                        "ATen's (auto: as the engine chooses, by the weights' size and dtype)")
     args = p.parse_args(argv)
     if min(args.k) < 1 or args.rounds < 1 or args.calls < 1:
         p.error("--k, --rounds and --calls must be at least 1")
@@ -75,8 +78,11 @@ def main(argv=None):
               dtype=args.dtype)
     eager, compiled = LLM(str(model), **kw), LLM(str(model), **kw)
     use_graph_ops(compiled.model.ops, compiled=True)
-    template = gemm_template(weight_bytes(compiled.config.cfg, compiled.config.dtype)) if args.gemm == "auto" \
-        else args.gemm == "template"
+    gemm = args.gemm if args.gemm != "auto" else "template" if gemm_template(weight_bytes(
+        compiled.config.cfg, compiled.config.dtype)) else "rows" if args.dtype == "float32" else "aten"
+    template = gemm == "template"
+    if gemm == "rows":
+        pack_linears(compiled.model)
     verify = compile_fn(compiled.model.verify, template)
     torch.set_num_threads(args.threads)  # after LLM(), which may set its own default
     m = eager.model
@@ -90,8 +96,8 @@ def main(argv=None):
             ids = torch.randint(0, m.cfg.vocab_size, (1, K))
             slots, seq_lens = torch.tensor([0]), torch.tensor([32])
             xs = [torch.randn(1, K, w.shape[1], dtype=w.dtype) for w in weights]
-            gemm = compile_fn(Linears(weights), template)
-            gemm(xs)
+            linears = compile_fn(Linears(weights, packed=gemm == "rows").forward, template)
+            linears(xs)
             t0 = time.perf_counter()
             verify(ids, slots, seq_lens, compiled.runner.cache, 32 + K)
             compile_s = time.perf_counter() - t0
@@ -100,7 +106,7 @@ def main(argv=None):
                 "eager": lambda: m.verify(ids, slots, seq_lens, eager.runner.cache, 32 + K),
                 "compiled": lambda: verify(ids, slots, seq_lens, compiled.runner.cache, 32 + K),
                 "matmul floor": lambda: [F.linear(x, w) for x, w in zip(xs, weights)],
-                "gemm floor": lambda: gemm(xs),
+                "gemm floor": lambda: linears(xs),
                 "stream": lambda: flat.sum(),
                 "stash floor": lambda: stash.copy_(state.expand_as(stash)),  # (Lm, 1, K, H, P, N)
             }
@@ -108,7 +114,7 @@ def main(argv=None):
             for _ in range(args.rounds):
                 for name, fn in timed.items():
                     ms[name].append(mean_ms(fn, args.calls))
-            row = {"K": K, "dtype": args.dtype, "gemm": "template" if template else "aten", "compile_s": compile_s,
+            row = {"K": K, "dtype": args.dtype, "gemm": gemm, "compile_s": compile_s,
                    "weight_MiB": nbytes / 2**20, **{f"{n} ms": statistics.median(v) for n, v in ms.items()}}
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 for _ in range(args.calls):

@@ -130,7 +130,7 @@ def profile_rows(args, model, prompts, params) -> list:
                 phases = profile(llm, prompts[:b], params, args.runs, counter_type)
                 if not compiled:
                     phases["matmul floor"] = {"calls": None, "ops_per_call": None, "ms_per_call": matmul_floor_ms(
-                        llm, lambda: llm.generate(prompts[:b], params))}
+                        llm, lambda: llm.generate(prompts[:b], params))["aten"]}
                 for name, r in phases.items():
                     rows.append({"batch": b, "gamma": g, "proposer": kind, "mode": mode, "phase": name, **r})
                     counts = "" if r["calls"] is None else \

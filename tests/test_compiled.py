@@ -131,18 +131,22 @@ def test_gemm_template_tokens_equal_eager(ckpt, monkeypatch):
         assert tokens(compiled, prompts, params) == tokens(eager, prompts, params), (len(prompts), params)
 
 
-def test_compile_profile_script(ckpt, capsys):
+@pytest.mark.parametrize("gemm", ["template", "auto"])
+def test_compile_profile_script(ckpt, capsys, gemm):
     """scripts/compile_profile.py on the tiny model: the step's matmuls alone cost less than the whole eager verify
-    that contains them, and the compiled call runs its matmuls inside the graph (inductor's C++ GEMM over the frozen
-    weights), none through ATen."""
+    that contains them, and the compiled call runs no matmul by a weight through ATen: inside the graph (inductor's
+    C++ GEMM over the frozen weights), or, as the engine chooses for small weights, in C over packed copies."""
     import json
 
     load_script("compile_profile").main(["--model", str(ckpt), "--k", "2", "--rounds", "3", "--calls", "3", "--top", "40",
-                                         "--gemm", "template"])
+                                         "--gemm", gemm])
     (row,) = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert 0 < row["matmul floor ms"] < row["eager ms"] and row["compiled ms"] > 0 and row["K"] == 2
     assert 0 < row["stash floor ms"] < row["eager ms"]
-    assert row["compiled_ops"] and not any(op["op"] in ("aten::mm", "aten::addmm") for op in row["compiled_ops"])
+    ops = [op["op"] for op in row["compiled_ops"]]
+    assert ops and not any(op in ("aten::mm", "aten::addmm") for op in ops)
+    assert row["gemm"] == {"template": "template", "auto": "rows"}[gemm]
+    assert ("nano_spec::rows_linear" in ops) == (gemm == "auto")
 
 
 def test_step_profile_compiled_rows(ckpt, capsys):

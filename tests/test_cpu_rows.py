@@ -1,11 +1,16 @@
-"""The compiled CPU step's Mamba verify (graph_ops.mamba_verify, its recurrence in cpu_rows' C kernel) against
-the torch reference mamba_verify_ref, called outside a graph: the stash and the states bit for bit, y to 1e-4,
-the slots it must not touch unchanged; and the kernel alone computes every row as a one-row call does."""
+"""The compiled CPU step's C (nano_spec/model/cpu_rows.py), called outside a graph.
+
+The Mamba verify (graph_ops.mamba_verify, its recurrence in C) against the torch reference mamba_verify_ref: the
+stash and the states bit for bit, y to 1e-4, the slots it must not touch unchanged; the kernel alone computes
+every row as a one-row call does. The products of few rows by a packed weight (rows_mm) against float64, a row the
+same in any call, and the linears of a network packed (pack_linears) against ATen's."""
 import pytest
 import torch
 
-from helpers import assert_close, assert_unchanged
-from nano_spec.model.cpu_rows import mamba_rows
+import torch.nn.functional as F
+
+from helpers import assert_close, assert_unchanged, tiny_model
+from nano_spec.model.cpu_rows import ROWS_MAX, RowsLinear, linear, mamba_rows, pack_linears, pack_rows, rows_mm
 from nano_spec.model.graph_ops import mamba_verify
 from nano_spec_kernels.mamba_verify import mamba_verify_ref
 from test_kernels_mamba import INF, S, SLOTS, VERIFY_CASES, make_layer, run_verify, slot_ids
@@ -100,8 +105,76 @@ def test_the_library_is_built_whole_into_its_cache(tmp_path, monkeypatch):
     monkeypatch.delenv("CC", raising=False)
     assert library.__wrapped__().mamba_rows is not None  # __wrapped__: past the per-process cache
     built = list((tmp_path / "nano_spec").iterdir())
-    assert len(built) == 1 and built[0].name.startswith("mamba_rows_") and built[0].suffix == ".so"
+    assert len(built) == 1 and built[0].name.startswith("cpu_rows_") and built[0].suffix == ".so"
     monkeypatch.setenv("CC", "false")  # exits 1: another compiler, another key, so it must build
-    with pytest.raises(RuntimeError, match="compile: false could not build the CPU Mamba kernel"):
+    with pytest.raises(RuntimeError, match="compile: false could not build the CPU step's C kernels"):
         library.__wrapped__()
     assert len(list((tmp_path / "nano_spec").iterdir())) == 1
+
+
+ROWS_CASES = [  # (M, N, K): rows, output columns, inputs
+    ("one-row-one-short-block", (1, 5, 7)),
+    ("in_proj-width-with-a-tail", (4, 1160, 256)),
+    ("rows-past-a-pass-and-blocks", (13, 65, 33)),
+    ("rows-max-and-vocab", (ROWS_MAX, 4096, 64)),
+]
+
+
+@pytest.mark.parametrize("shape", [c[1] for c in ROWS_CASES], ids=[c[0] for c in ROWS_CASES])
+def test_rows_mm_matches_float64(shape):
+    M, N, K = shape
+    w, x = torch.randn(N, K), torch.randn(M, K)
+    out = rows_mm(x, pack_rows(w.t().contiguous().t()), N)  # the engine's input-major layout packs alike
+    assert_close("y", x.double() @ w.double().t(), out, atol=1e-5)
+
+
+@pytest.mark.parametrize("M", [2, 4, 5, ROWS_MAX], ids=lambda m: f"M{m}")
+def test_a_row_comes_out_the_same_in_any_call(M):
+    """Row m of an M-row call is its 1-row call's, bit for bit (spec = plain within the compiled mode)."""
+    w, x = torch.randn(70, 40), torch.randn(M, 40)
+    packed = pack_rows(w)
+    one_by_one = torch.cat([rows_mm(x[m:m + 1], packed, 70) for m in range(M)])
+    assert_unchanged("rows of one call against 1-row calls", one_by_one, rows_mm(x, packed, 70))
+
+
+def test_rows_mm_refuses_what_does_not_fit():
+    packed = pack_rows(torch.randn(8, 6))
+    for x, n in ((torch.randn(2, 5), 8), (torch.randn(2, 6).bfloat16(), 8), (torch.randn(2, 6), 8 + 32)):
+        with pytest.raises(ValueError, match="rows_mm: x"):
+            rows_mm(x, packed, n)
+
+
+def test_linear_leaves_many_rows_and_more_threads_to_aten():
+    w, b = torch.randn(24, 16), torch.randn(24)
+    packed, few, many = pack_rows(w), torch.randn(2, 3, 16), torch.randn(ROWS_MAX + 1, 16)
+    assert_unchanged("few rows: rows_mm", rows_mm(few.reshape(6, 16), packed, 24).view(2, 3, 24) + b,
+                     linear(few, w, b, packed))
+    assert_unchanged("many rows: ATen", F.linear(many, w, b), linear(many, w, b, packed))
+    assert_unchanged("no packed copy: ATen", F.linear(few, w, b), linear(few, w, b))
+    torch.set_num_threads(2)
+    try:
+        assert_unchanged("two threads: ATen", F.linear(few, w, b), linear(few, w, b, packed))
+    finally:
+        torch.set_num_threads(1)
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied-head", "own-head"])
+def test_pack_linears_keeps_the_weights_and_computes_what_aten_does(tied):
+    """The state dict is the same tensors under the same names; every linear, the fused q/k/v and a tied head
+    are packed; the logits of a few rows through the packed network match ATen's; a bf16 network is left alone."""
+    model = tiny_model(tie_word_embeddings=tied).for_inference()
+    before = model.state_dict(keep_vars=True)
+    ids = torch.randint(0, model.cfg.vocab_size, (1, 5))
+    with torch.no_grad():
+        ref = model(ids)
+        pack_linears(model)
+        out = model(ids)
+    after = model.state_dict(keep_vars=True)
+    assert list(after) == list(before) and all(after[k] is before[k] for k in before)
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert sum(isinstance(m, RowsLinear) for m in model.modules()) > 0 and (model.head_packed is not None) == tied
+    assert all(m.qkv_packed is not None for m in model.modules() if hasattr(m, "qkv_packed"))
+    assert_close("logits", ref, out, atol=1e-5)
+    half = tiny_model().bfloat16()
+    pack_linears(half)
+    assert not any(isinstance(m, RowsLinear) for m in half.modules()) and half.head_packed is None

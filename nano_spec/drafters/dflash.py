@@ -14,6 +14,7 @@ class DFlashDrafter(DeviceDrafter):
     def __init__(self, net: DFlashModel, target, max_drafts: int, num_slots: int, max_len: int):
         cfg, p = net.cfg, next(target.parameters())  # max_drafts <= Bk - 1: checked in settings
         self.net, self.target, self.max_drafts, self.device = net, target, max_drafts, p.device
+        self.nets = (net,)
         self.taps = tuple(cfg.target_layer_ids)  # the runner stashes these layers' rows for catch_up
         shape = (cfg.num_hidden_layers, num_slots, max_len, cfg.num_key_value_heads, cfg.head_dim)
         self.k = torch.zeros(shape, device=p.device, dtype=p.dtype)  # (Ld, S, L, Hkv, Dh), RoPE-rotated

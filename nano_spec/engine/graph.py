@@ -17,11 +17,13 @@ only buffers allocated once (static addresses), has no host sync, and takes its 
 host drafts, grammar masks) as arguments: the conditions a CUDA graph needs, which the tests hold on the CPU.
 """
 import time
+import types
 from collections import Counter
 from contextlib import contextmanager, nullcontext
 
 import torch
 
+from nano_spec.model.cpu_rows import pack_linears
 from nano_spec.model.graph_ops import use_graph_ops
 
 KV_MIN = 256  # the smallest KV bucket: each bucket is one more graph to make, and a short one saves little
@@ -54,7 +56,8 @@ def gemm_template(weight_bytes: int) -> bool:
 
 
 def compile_fn(fn, template: bool = False):
-    """torch.compile of fn with nano_spec's settings, which each call runs under (a call may compile).
+    """torch.compile of fn, a bound method, with nano_spec's settings, which each call runs under (a call may
+    compile). fn runs over its own code object (own_code), so its graphs are its own.
       - The weights are fixed for an engine's life, so the guards skip the modules' attributes: checking every
         parameter on each call cost ~0.3 ms.
       - Inductor keeps a fused chain of bf16 ops in fp32 unless told to round after each op as eager does; without
@@ -65,13 +68,24 @@ def compile_fn(fn, template: bool = False):
       - Dynamo's settings are these calls', not the process's: every bucket is one more entry of fn's code object,
         and a hit limit is an error rather than a silent fall back to eager."""
     options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe, "emulate_precision_casts": True}
-    compiled = torch.compile(fn, fullgraph=True, dynamic=False, options=options)
+    compiled = torch.compile(own_code(fn), fullgraph=True, dynamic=False, options=options)
     dynamo = torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True)
 
     def call(*args, **kwargs):
         with dynamo, frozen_gemm() if template else nullcontext():  # ~20 us a call
             return compiled(*args, **kwargs)
     return call
+
+
+def own_code(method):
+    """A bound method over a copy of its function's code object. Dynamo keeps its graphs on the code object and,
+    with the modules' guards skipped (compile_fn), would run a graph traced for one engine in another whose
+    weights differ in layout (packed, frozen in the GEMM template, or neither): each compiled call's graphs are
+    its own."""
+    f = method.__func__
+    own = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
+    own.__kwdefaults__ = f.__kwdefaults__
+    return types.MethodType(own, method.__self__)
 
 
 @contextmanager
@@ -113,12 +127,14 @@ class StepGraph:
     label = "step"
 
     def __init__(self, fn, mode: str, ops, phase, num_slots: int, kv_max: int, per_bucket: int,
-                 template: bool = False):
+                 template: bool = False, nets=()):
         """ops: the Ops fn runs, switched here to the forms a graph of this mode needs (model/graph_ops.py);
         phase(name): a context that times a part of the step; fn gets it when eager, and a graph's call is
         timed whole as "step";
         per_bucket: the graphs one (batch, KV) bucket may take (its static arguments' combinations);
-        template: compiled, the weights' matmuls in inductor's C++ GEMM template (gemm_template)."""
+        template: compiled, the weights' matmuls in inductor's C++ GEMM template (gemm_template);
+        nets: the networks fn runs; compiled without the template, their products of few rows run in C over packed
+        copies of their weights (cpu_rows.pack_linears), held beside the weights."""
         if mode not in MODES:
             raise ValueError(f"mode: {mode!r} is not one of {MODES}")
         if mode != "eager":
@@ -132,6 +148,8 @@ class StepGraph:
         self.graphs, self.warmed = {}, set()  # cuda_graph: key -> (CUDAGraph, static inputs, outputs); keys run once
         if mode == "compiled":
             self.compiled = compile_fn(fn, self.template)
+            for net in () if self.template else nets:
+                pack_linears(net)
 
     def __call__(self, *batched, kv_len: int, eager: bool = False, **static):
         B = batched[0].shape[0]

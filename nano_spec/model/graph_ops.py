@@ -4,36 +4,20 @@ Under torch.compile the Mamba and attention math of a verify runs in the graph, 
 the cache writes leave it, as opaque operators with their writes declared (`mamba_write`, `kv_write`), so the
 graph hands them the cache views and they write in place. Traced instead, a write into a slice of a cache buffer
 becomes a copy of the whole buffer and a copy back, every call. In every graph mode the commit is `commit_state`
-below: commit_state_ref finds the rows that move with a host sync, which no graph may hold.
+below: commit_state_ref finds the rows that move with a host sync, which no graph may hold. A compiled CPU step's
+products of a few rows by a weight are cpu_rows' (`pack_linears`).
 """
 import torch
 from torch import Tensor
 
-from nano_spec.model.cpu_rows import mamba_rows
+from nano_spec.model.cpu_rows import library_op, mamba_rows
 from nano_spec_kernels.common import apply_rope_ref, conv_silu_ref, mamba_dt_ref, split_xbc
 
 
-LIB = torch.library.Library("nano_spec", "FRAGMENT")  # holds the write ops below: dropped, it would unregister them
-
-
-def write_op(schema: str, meta=lambda *args: None):
-    """fn as the operator nano_spec::<schema>: the dispatcher calls fn straight (a call costs about half what
-    torch.library.custom_op's does: 25 against 52 us, measured; these writes need none of its autograd and
-    default-argument layers). Its writes are in its schema, so a graph hands it the cache views and it writes in
-    place; traced, it writes nothing and returns meta(*args) (none but a write op's new outputs)."""
-    def register(fn):
-        name = schema.split("(")[0]
-        LIB.define(schema)
-        LIB.impl(name, fn, "CompositeExplicitAutograd")
-        LIB.impl(name, meta, "Meta")
-        return getattr(torch.ops.nano_spec, name).default
-    return register
-
-
 # ---- 1. Mamba: the conv and dt in the graph, the K-row recurrence and the writes in one op -----------
-@write_op("mamba_write(Tensor(a!) conv_state, Tensor(b!) ssm_state, Tensor(c!) conv_stash, Tensor(d!) ssm_stash, "
-          "Tensor slot_ids, Tensor window, Tensor decay, Tensor u, Tensor B, Tensor C) -> Tensor",
-          meta=lambda *args: torch.empty_like(args[7]))  # y (B, K, H, P), the shape of u = args[7]
+@library_op("mamba_write(Tensor(a!) conv_state, Tensor(b!) ssm_state, Tensor(c!) conv_stash, Tensor(d!) ssm_stash, "
+            "Tensor slot_ids, Tensor window, Tensor decay, Tensor u, Tensor B, Tensor C) -> Tensor",
+            meta=lambda *args: torch.empty_like(args[7]))  # y (B, K, H, P), the shape of u = args[7]
 def mamba_write(conv_state: Tensor, ssm_state: Tensor, conv_stash: Tensor, ssm_stash: Tensor, slot_ids: Tensor,
                 window: Tensor, decay: Tensor, u: Tensor, B: Tensor, C: Tensor) -> Tensor:
     """The recurrence of the K rows (cpu_rows.mamba_rows: the stash and the live states written, y returned),
@@ -57,7 +41,7 @@ def mamba_verify(xBC, dt, conv_state, ssm_state, slot_ids, conv_weight, conv_bia
 
 
 # ---- 2. attention: the K new rows written in one op, then attention over the slot's rows ------------
-@write_op("kv_write(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_ids, Tensor pos, Tensor k, Tensor v) -> ()")
+@library_op("kv_write(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_ids, Tensor pos, Tensor k, Tensor v) -> ()")
 def kv_write(k_cache: Tensor, v_cache: Tensor, slot_ids: Tensor, pos: Tensor, k: Tensor, v: Tensor) -> None:
     """Rows k, v (B, K, Hkv, Dh) into the caches (S, L, Hkv, Dh) at slots slot_ids (B,), positions pos (B, K)."""
     k_cache[slot_ids[:, None], pos] = k
@@ -100,8 +84,8 @@ def commit_rows(ssm_state: Tensor, conv_state: Tensor, ssm_stash: Tensor, conv_s
     conv_state[:, slot_ids] = torch.where(take[None, :, None, None], conv, conv_state[:, slot_ids])
 
 
-commit_state = write_op("commit_state(Tensor(a!) ssm_state, Tensor(b!) conv_state, Tensor ssm_stash, "
-                        "Tensor conv_stash, Tensor slot_ids, Tensor na, Tensor active) -> ()")(commit_rows)
+commit_state = library_op("commit_state(Tensor(a!) ssm_state, Tensor(b!) conv_state, Tensor ssm_stash, "
+                          "Tensor conv_stash, Tensor slot_ids, Tensor na, Tensor active) -> ()")(commit_rows)
 
 
 # ---- 4. the ops table of a graph -----------------------------------------------------------------------

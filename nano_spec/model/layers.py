@@ -2,7 +2,8 @@
 weight and an attention layer's projections. The math they feed is the ops' (ops.py) and the callers'."""
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
+
+from nano_spec.model.cpu_rows import linear
 
 
 class Norm(nn.Module):
@@ -16,6 +17,7 @@ class Norm(nn.Module):
 class Attention(nn.Module):
     """The q/k/v/o projections of an attention layer, the target's (ModelConfig) or the drafter's (DFlashConfig,
     with Qwen3's per-head q_norm and k_norm); the attention itself is the caller's."""
+    packs = (("qkv_weight", "qkv_packed"),)  # a compiled CPU step's copy of the fused weight (cpu_rows.pack_linears)
 
     def __init__(self, cfg, bias: bool = False, qk_norm: bool = False):
         super().__init__()
@@ -29,6 +31,7 @@ class Attention(nn.Module):
         # [q | k | v] stacked for one GEMM per inference call by fuse_qkv(); never saved, training updates q/k/v_proj
         self.register_buffer("qkv_weight", None, persistent=False)
         self.register_buffer("qkv_bias", None, persistent=False)
+        self.register_buffer("qkv_packed", None, persistent=False)
         if qk_norm:
             self.q_norm, self.k_norm = Norm(Dh), Norm(Dh)
 
@@ -41,7 +44,7 @@ class Attention(nn.Module):
         """(..., D) -> q (..., Hq, Dh), k and v (..., Hkv, Dh)."""
         lead = x.shape[:-1]
         if self.qkv_weight is not None:
-            q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split(self.sizes, dim=-1)
+            q, k, v = linear(x, self.qkv_weight, self.qkv_bias, self.qkv_packed).split(self.sizes, dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         return q.view(*lead, -1, self.Dh), k.view(*lead, -1, self.Dh), v.view(*lead, -1, self.Dh)

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from nano_spec_kernels.common import apply_rope_ref
 from nano_spec.model.cache import HybridCache
 from nano_spec.model.config import ModelConfig
+from nano_spec.model.cpu_rows import linear
 from nano_spec.model.layers import Attention, Norm
 from nano_spec.model.ops import Ops
 from nano_spec.model.weights import FLOAT_DTYPES, CheckpointError, load_tensors
@@ -109,6 +110,7 @@ class HybridLM(nn.Module):
         self.model = Backbone(cfg)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.mtp = MTPHead(cfg) if cfg.has_mtp else None
+        self.register_buffer("head_packed", None, persistent=False)  # a compiled CPU step's copy of the tied head
 
     def for_inference(self):
         """The layout inference runs fastest in; the weights on disk do not change.
@@ -131,10 +133,16 @@ class HybridLM(nn.Module):
     def embed(self, ids):
         return self.model.embed_tokens(ids) * self.cfg.embedding_multiplier
 
+    packs = (("tied_head", "head_packed"),)  # cpu_rows.pack_linears
+
+    @property
+    def tied_head(self):
+        return self.model.embed_tokens.weight if self.lm_head is None else None
+
     def logits(self, y):
         """Final-normed hidden (..., D) -> logits (..., V)."""
-        w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(y, w) / self.cfg.logits_scaling
+        out = self.lm_head(y) if self.lm_head is not None else linear(y, self.tied_head, None, self.head_packed)
+        return out / self.cfg.logits_scaling
 
     def _stack(self, h, layers, final_norm: Norm | None, mix, taps=(), tapped_out=None):
         """Run decoder layers over the residual stream h (..., D); mix(i, layer, y) is the mixer. taps maps a layer
