@@ -19,6 +19,7 @@ copies the weight blocks it reads on every call and runs 4 rows at ~3x the time 
 once (pack_rows: blocks of NB output columns, each contiguous) and each block's MB-row sums stay in vector
 registers, so one pass over the weight serves MB rows. Row m's sums run over K in one order whatever M, so a row
 comes out the same, bit for bit, in a 1-row and in a K-row call.
+
 The library is built once per machine with the C compiler inductor also needs (cc, or $CC), and cached.
 """
 import ctypes
