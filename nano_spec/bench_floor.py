@@ -12,7 +12,7 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from nano_spec.model.cpu_rows import ROWS_MAX, pack_rows, rows_mm
+from nano_spec.model.cpu_rows import pack_rows, rows_mm, runs_in_c
 
 MATMULS = ("mm", "addmm", "bmm")  # the aten calls a linear becomes
 
@@ -56,17 +56,19 @@ def record(llm, run) -> tuple:
 
 
 def as_packed(calls) -> list:
-    """The recorded calls as a packing compiled step runs them: mm(x, w) and addmm(b, x, w) of at most ROWS_MAX fp32
-    rows through rows_mm over w's packed copy (made here, once per weight; the bias add left out), the rest as they
-    are. w is the weight as a linear passes it, (in, out)."""
+    """The recorded calls as a packing compiled step runs them: mm(x, w) and addmm(b, x, w) whose rows run in C
+    (cpu_rows.runs_in_c) through rows_mm over w's packed copy (made here, once per weight; the bias add left out),
+    the rest as they are. w is the weight as a linear passes it, (in, out). rows_mm is called straight: the operator
+    and Python around it in a step are the step's overhead, not its matmuls."""
     packs, out = {}, []
     for func, args, kwargs in calls:
         x, w = {"mm": args[:2], "addmm": args[1:3]}.get(func.overloadpacket.__name__, (None, None))
-        if x is None or x.shape[0] > ROWS_MAX or x.dtype != torch.float32:
+        if x is None or x.dtype != torch.float32 or not runs_in_c(x.shape[0]):
             out.append((func, args, kwargs))
             continue
         key = (w.data_ptr(), tuple(w.shape), w.stride())
-        packs[key] = packs[key] if key in packs else pack_rows(w.t())
+        if key not in packs:
+            packs[key] = pack_rows(w.t())
         out.append((rows_mm, (x, packs[key], w.shape[1]), {}))
     return out
 

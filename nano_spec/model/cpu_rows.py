@@ -158,6 +158,7 @@ def library() -> ctypes.CDLL:
     pointers, sizes = ctypes.c_void_p, ctypes.c_int64  # the return type is ctypes' default, a C int
     lib.mamba_rows.argtypes = [pointers] * 5 + [sizes] * 2 + [pointers] * 3 + [sizes] * 6
     lib.rows_mm.argtypes = [pointers] * 3 + [sizes] * 3
+    lib.block = lib.rows_block()  # NB, read once: rows_mm checks it on every call
     return lib
 
 
@@ -188,7 +189,7 @@ def mamba_rows(ssm_state: Tensor, ssm_stash: Tensor, slot_ids: Tensor, decay: Te
 def pack_rows(weight: Tensor) -> Tensor:
     """weight (N, K), any layout -> its packed fp32 copy (ceil(N / NB), K, NB) for rows_mm: block j holds output
     columns j NB .. j NB + NB - 1, contiguous, zeros past N."""
-    NB, (N, K) = library().rows_block(), weight.shape
+    NB, (N, K) = library().block, weight.shape
     packed = torch.zeros(-(-N // NB) * NB, K, dtype=torch.float32, device=weight.device)
     packed[:N] = weight.detach()
     return packed.view(-1, NB, K).transpose(1, 2).contiguous()
@@ -196,13 +197,14 @@ def pack_rows(weight: Tensor) -> Tensor:
 
 def rows_mm(x: Tensor, packed: Tensor, n: int) -> Tensor:
     """x (M, K) fp32 times the weight (n, K) that pack_rows packed -> y = x W^T (M, n) fp32, one thread."""
-    fits = x.dim() == 2 and packed.shape[1:] == (x.shape[1], library().rows_block()) and packed.is_contiguous()
+    lib = library()
+    fits = x.dim() == 2 and packed.shape[1:] == (x.shape[1], lib.block) and packed.is_contiguous()
     if not fits or x.dtype != torch.float32 or packed.dtype != torch.float32 or not 0 < n <= packed[:, 0].numel():
         raise ValueError(f"rows_mm: x {tuple(x.shape)} {x.dtype} does not fit the packed weight {tuple(packed.shape)} "
                          f"{packed.dtype} of {n} rows")
     x = x.contiguous()
     y = x.new_empty(x.shape[0], n)
-    library().rows_mm(x.data_ptr(), packed.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], n)
+    lib.rows_mm(x.data_ptr(), packed.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], n)
     return y
 
 
@@ -226,12 +228,17 @@ def library_op(schema: str, meta=lambda *args: None):
 ROWS_MAX = 16  # rows up to which rows_mm beats ATen's GEMM on one thread (docs/BENCHMARKS.md, "K rows")
 
 
+def runs_in_c(rows: int) -> bool:
+    """Whether a product of this many rows by a packed weight runs in rows_mm: at most ROWS_MAX rows, one thread."""
+    return rows <= ROWS_MAX and torch.get_num_threads() == 1
+
+
 @library_op("rows_linear(Tensor x, Tensor packed, Tensor weight) -> Tensor",
             meta=lambda x, packed, weight: x.new_empty(x.shape[0], weight.shape[0]))
 def rows_linear(x: Tensor, packed: Tensor, weight: Tensor) -> Tensor:
     """x (M, K) W^T -> (M, N) for the weight (N, K) and its packed copy. rows_mm runs on one thread: at more, the
     call is ATen's GEMM over the weight, which uses them (the thread count may change between calls of a graph)."""
-    return rows_mm(x, packed, weight.shape[0]) if torch.get_num_threads() == 1 else F.linear(x, weight)
+    return rows_mm(x, packed, weight.shape[0]) if runs_in_c(x.shape[0]) else F.linear(x, weight)
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, packed: Tensor | None = None) -> Tensor:
