@@ -1,8 +1,9 @@
-"""The compiled CPU step's C (nano_spec/model/cpu_rows.py), called outside a graph.
+"""The compiled CPU step's ops (nano_spec/model/cpu_rows.py, kernels in C++), called outside a graph.
 
-The Mamba verify (graph_ops.mamba_verify, its recurrence in C) against the torch reference mamba_verify_ref: the
+The Mamba verify (graph_ops.mamba_verify, its recurrence in C++) against the torch reference mamba_verify_ref: the
 stash and the states bit for bit, y to 1e-4, the slots it must not touch unchanged; the kernel alone computes
-every row as a one-row call does. The products of few rows by a packed weight (rows_mm) against float64, a row the
+every row as a one-row call does. The cache writes (kv_write) and the commit (commit_state) against torch's
+indexing and commit_state_ref. The products of few rows by a packed weight (rows_mm) against float64, a row the
 same in any call, and the linears of a network packed (pack_linears) against ATen's."""
 import pytest
 import torch
@@ -10,10 +11,12 @@ import torch
 import torch.nn.functional as F
 
 from helpers import assert_close, assert_unchanged, tiny_model
-from nano_spec.model.cpu_rows import ROWS_MAX, RowsLinear, linear, mamba_rows, pack_linears, pack_rows, rows_mm
+from nano_spec.model.cpu_rows import (ROWS_MAX, RowsLinear, commit_state, kv_write, linear, mamba_write,
+                                      pack_linears, pack_rows, rows_mm)
 from nano_spec.model.graph_ops import mamba_verify
 from nano_spec_kernels.mamba_verify import mamba_verify_ref
-from test_kernels_mamba import INF, S, SLOTS, VERIFY_CASES, make_layer, run_verify, slot_ids
+from nano_spec_kernels.commit_state import commit_state_ref
+from test_kernels_mamba import COMMIT_CASES, INF, S, SLOTS, VERIFY_CASES, make_layer, run_verify, slot_ids
 
 NAMES = ("y", "conv_state", "ssm_state", "ssm_stash", "conv_stash")
 CASES = VERIFY_CASES + [("N37-two-vector-blocks-and-a-tail", (2, 4, 4, 12, 37, 2, 4), True, (0.0, INF))]
@@ -37,6 +40,13 @@ def test_matches_ref(shape, bias, dt_limit):
     untouched = [s for s in range(S) if s not in SLOTS[:Bsz]]
     assert_unchanged("conv_state of other slots", conv_state[untouched], out[1][untouched])
     assert_unchanged("ssm_state of other slots", ssm_state[untouched], out[2][untouched])
+
+
+def mamba_rows(ssm_state, ssm_stash, slots, decay, u, Bm, Cm):
+    """mamba_write's recurrence, beside a conv of one channel: y."""
+    Bsz, K = u.shape[:2]
+    return mamba_write(torch.zeros(ssm_state.shape[0], 1, 1), ssm_state, torch.empty(Bsz, 1, 1 + K), ssm_stash,
+                       slots, torch.zeros(Bsz, 1, 1 + K), decay, u, Bm, Cm)
 
 
 def rows_inputs(Bsz, K, H, P, N, G):
@@ -83,7 +93,7 @@ def test_a_slot_out_of_range_is_refused_before_any_write():
     Bsz, K, H, P, N, G = 2, 2, 4, 12, 20, 2
     state = torch.randn(S, H, P, N)
     before, stash = state.clone(), torch.zeros(Bsz, K, H, P, N)
-    with pytest.raises(ValueError, match=r"slot_ids \[0, 7\] must lie in \[0, 7\)"):
+    with pytest.raises(ValueError, match=r"mamba_write: slot 7 \(row 1\) must lie in \[0, 7\)"):
         mamba_rows(state, stash, torch.tensor([0, S]), *rows_inputs(Bsz, K, H, P, N, G))
     assert_unchanged("ssm_state", before, state)
     assert not stash.any()
@@ -91,7 +101,7 @@ def test_a_slot_out_of_range_is_refused_before_any_write():
 
 def test_a_state_of_another_layout_is_refused():
     Bsz, K, H, P, N, G = 1, 2, 4, 12, 20, 2
-    with pytest.raises(ValueError, match="mamba_rows: ssm_state must be fp32"):
+    with pytest.raises(ValueError, match="mamba_write: ssm_state must be fp32"):
         mamba_rows(torch.randn(S, H, N, P).transpose(2, 3), torch.zeros(Bsz, K, H, P, N), slot_ids(Bsz),
                    *rows_inputs(Bsz, K, H, P, N, G))
 
@@ -99,17 +109,51 @@ def test_a_state_of_another_layout_is_refused():
 def test_the_library_is_built_whole_into_its_cache(tmp_path, monkeypatch):
     """A build leaves one library in the cache directory and nothing half-written; a compiler that fails is a
     RuntimeError with its message, not a library that is missing later."""
-    from nano_spec.model.cpu_rows import library
+    from nano_spec.model.cpu_rows import build
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.delenv("CC", raising=False)
-    assert library.__wrapped__().mamba_rows is not None  # __wrapped__: past the per-process cache
-    built = list((tmp_path / "nano_spec").iterdir())
-    assert len(built) == 1 and built[0].name.startswith("cpu_rows_") and built[0].suffix == ".so"
-    monkeypatch.setenv("CC", "false")  # exits 1: another compiler, another key, so it must build
-    with pytest.raises(RuntimeError, match="compile: false could not build the CPU step's C kernels"):
-        library.__wrapped__()
-    assert len(list((tmp_path / "nano_spec").iterdir())) == 1
+    monkeypatch.delenv("CXX", raising=False)
+    path = build()
+    assert list((tmp_path / "nano_spec").iterdir()) == [path] and path.name.startswith("cpu_rows_")
+    assert path.suffix == ".so" and build() == path  # built once
+    monkeypatch.setenv("CXX", "false")  # exits 1: another compiler, another key, so it must build
+    with pytest.raises(RuntimeError, match="compile: false could not build the CPU step's kernels"):
+        build()
+    assert list((tmp_path / "nano_spec").iterdir()) == [path]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_kv_write_equals_indexing(dtype):
+    """The K rows land where torch's indexed write puts them, bit for bit, and nothing else moves, in caches cut to
+    a step's KV rows as a graph's are; a position past them is refused before any write."""
+    Bsz, K, L, Hkv, Dh = 3, 4, 11, 2, 6
+    caches = torch.randn(2, S, L + 5, Hkv, Dh, dtype=dtype)  # k and v, 5 rows past the graph's KV rows
+    k, v = torch.randn(Bsz, K, Hkv, Dh, dtype=dtype), torch.randn(Bsz, K, Hkv, Dh, dtype=dtype)
+    slots, pos = slot_ids(Bsz), torch.stack([torch.randperm(L)[:K] for _ in range(Bsz)])  # (B, K)
+    ref, out = caches.clone(), caches.clone()
+    ref[0][slots[:, None], pos], ref[1][slots[:, None], pos] = k, v
+    kv_write(out[0, :, :L], out[1, :, :L], slots, pos, k, v)
+    assert_unchanged("k_cache", ref[0], out[0])
+    assert_unchanged("v_cache", ref[1], out[1])
+    pos[2, 1], kept = L, caches.clone()
+    with pytest.raises(ValueError, match=rf"kv_write: position {L} \(row 2, 1\) must lie in \[0, {L}\)"):
+        kv_write(kept[0, :, :L], kept[1, :, :L], slots, pos, k, v)
+    assert_unchanged("caches after a refusal", caches, kept)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16-conv"])
+@pytest.mark.parametrize("K,na,active", [c[1:] for c in COMMIT_CASES], ids=[c[0] for c in COMMIT_CASES])
+def test_commit_state_equals_the_reference(K, na, active, dtype):
+    """commit_state_ref's states, bit for bit: the rows that move copied, every other slot untouched."""
+    L, Bsz, H, P, N, C, W = 2, 3, 3, 12, 10, 50, 4
+    ssm_state, conv_state = torch.randn(L, S, H, P, N), torch.randn(L, S, C, W - 1).to(dtype)
+    stashes = torch.randn(L, Bsz, K, H, P, N), torch.randn(L, Bsz, C, W - 1 + K).to(dtype)
+    rows = (slot_ids(Bsz), torch.tensor(na), torch.tensor(active))
+    ref, out = (ssm_state.clone(), conv_state.clone()), (ssm_state.clone(), conv_state.clone())
+    commit_state_ref(*ref, *stashes, *rows)
+    commit_state(*out, *stashes, *rows)
+    assert_unchanged("ssm_state", ref[0], out[0])
+    assert_unchanged("conv_state", ref[1], out[1])
 
 
 ROWS_CASES = [  # (M, N, K): rows, output columns, inputs

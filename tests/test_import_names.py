@@ -83,8 +83,8 @@ def test_wheel_has_no_top_level_kernels(tmp_path):
     print("wheel top-level names:", top)
     assert top == ["nano_spec", "nano_spec_kernels"], top
     assert "nano_spec_kernels/mamba_verify.py" in names
-    package = {str(p.relative_to(ROOT)) for p in (ROOT / "nano_spec").rglob("*.py")}
-    assert package <= set(names), sorted(package - set(names))  # every subfolder of the package ships
+    package = {str(p.relative_to(ROOT)) for pattern in ("*.py", "*.cpp") for p in (ROOT / "nano_spec").rglob(pattern)}
+    assert package <= set(names), sorted(package - set(names))  # every subfolder of the package ships, C++ too
 
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],

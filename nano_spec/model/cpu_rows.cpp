@@ -1,0 +1,237 @@
+// The CPU kernels of the nano_spec:: operators a compiled CPU step calls (docs/DESIGN.md §12). cpu_rows.py builds
+// this file once per machine and torch, and explains the math; the schemas and meta functions are in Python
+// (cpu_rows.py, graph_ops.py). A kernel here costs ~1.6 us of dispatch from a graph, a Python one ~10.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
+#include <torch/library.h>
+
+#include <cstring>
+
+using at::Tensor;
+
+namespace {
+
+// ---- 1. the K-row recurrence ---------------------------------------------------------------------------------
+#define LANES 16  // y's partial sums, one per SIMD lane: a fixed order the compiler can vectorize
+
+// For each sequence b, head h (group g), row k: S_k = a_k S_{k-1} + u_k B_k, stash[b, k] = S_k, y_k = S_k C_k.
+void mamba_rows(const float *decay, const float *u, const float *Bm, const float *Cm, float *state,
+                int64_t slot_stride, const int64_t *slots, float *stash, float *y,
+                int64_t nb, int64_t K, int64_t H, int64_t G, int64_t P, int64_t N) {
+  for (int64_t b = 0; b < nb; b++)
+    for (int64_t h = 0; h < H; h++) {
+      const float *prev = state + slots[b] * slot_stride + h * P * N;
+      int64_t g = h / (H / G);
+      for (int64_t k = 0; k < K; k++) {  // row k reads row k-1's state from the stash, still in L1
+        int64_t bk = b * K + k;
+        float a = decay[bk * H + h], *out = stash + (bk * H + h) * P * N;
+        const float *Bn = Bm + (bk * G + g) * N, *Cn = Cm + (bk * G + g) * N;
+        for (int64_t p = 0; p < P; p++) {
+          float up = u[(bk * H + h) * P + p], acc[LANES] = {0}, sum = 0;
+          const float *s = prev + p * N;
+          float *o = out + p * N;
+          int64_t n = 0;
+          for (; n + LANES <= N; n += LANES)
+            for (int l = 0; l < LANES; l++) {
+              float v = a * s[n + l] + up * Bn[n + l];
+              o[n + l] = v;
+              acc[l] += v * Cn[n + l];
+            }
+          for (int l = 0; l < LANES; l++) sum += acc[l];
+          for (; n < N; n++) {
+            float v = a * s[n] + up * Bn[n];
+            o[n] = v;
+            sum += v * Cn[n];
+          }
+          y[(bk * H + h) * P + p] = sum;
+        }
+        prev = out;
+      }
+    }
+  // the live states last: a padded batch repeats a slot, and every row must read the state before the step
+  for (int64_t b = 0; b < nb; b++)
+    std::memcpy(state + slots[b] * slot_stride, stash + ((b * K + K - 1) * H) * P * N, H * P * N * sizeof(float));
+}
+
+// ---- 2. few rows by a packed weight ----------------------------------------------------------------------------
+#ifdef __AVX512F__
+#define NB 32  // a block's output columns: two vectors of 16 lanes
+#else
+#define NB 16  // 16 vector registers (AVX2, NEON): MB rows' sums must still fit in them
+#endif
+#define MB 4   // rows per pass over a block
+typedef float half __attribute__((vector_size(NB * 2), aligned(4)));  // NB / 2 lanes, loaded unaligned
+
+// mb rows of x (mb, Kd) times one packed block w (Kd, NB) -> y (mb, n), n <= NB: each row's sums over k in order
+template <int mb>
+void rows_pass(const float *x, const float *w, float *y, int64_t Kd, int64_t N, int64_t n) {
+  half acc[mb][2] = {};
+  for (int64_t k = 0; k < Kd; k++) {
+    half w0 = *(const half *)(w + k * NB), w1 = *(const half *)(w + k * NB + NB / 2);
+    for (int m = 0; m < mb; m++) {
+      float xm = x[m * Kd + k];
+      acc[m][0] += xm * w0;
+      acc[m][1] += xm * w1;
+    }
+  }
+  for (int m = 0; m < mb; m++) std::memcpy(y + m * N, acc[m], n * sizeof(float));  // the NB sums, cut to n
+}
+
+// y (M, N) = x (M, Kd) @ the packed weight (ceil(N / NB), Kd, NB); a block stays in cache across the row passes
+void rows_mm_loop(const float *x, const float *w, float *y, int64_t M, int64_t Kd, int64_t N) {
+  for (int64_t n0 = 0; n0 < N; n0 += NB) {
+    const float *block = w + n0 * Kd;
+    int64_t n = N - n0 < NB ? N - n0 : NB;
+    for (int64_t m0 = 0; m0 < M; m0 += MB) {
+      const float *xm = x + m0 * Kd;
+      float *ym = y + m0 * N + n0;
+      switch (M - m0 < MB ? M - m0 : MB) {  // constant row counts: the sums unrolled into registers
+        case 1: rows_pass<1>(xm, block, ym, Kd, N, n); break;
+        case 2: rows_pass<2>(xm, block, ym, Kd, N, n); break;
+        case 3: rows_pass<3>(xm, block, ym, Kd, N, n); break;
+        default: rows_pass<MB>(xm, block, ym, Kd, N, n);
+      }
+    }
+  }
+}
+
+// ---- the operators -----------------------------------------------------------------------------------------------
+void check_slots(const char *op, const Tensor &slots, int64_t num_slots) {
+  const int64_t *s = slots.data_ptr<int64_t>();
+  for (int64_t b = 0; b < slots.numel(); b++)
+    TORCH_CHECK_VALUE(0 <= s[b] && s[b] < num_slots, op, ": slot ", s[b], " (row ", b, ") must lie in [0, ", num_slots,
+                      ")");
+}
+
+int64_t rows_block() { return NB; }
+
+Tensor rows_mm(const Tensor &x, const Tensor &packed, int64_t n) {
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat &&
+                        packed.dim() == 3 && packed.size(1) == x.size(1) && packed.size(2) == NB &&
+                        packed.is_contiguous() && 0 < n && n <= packed.size(0) * NB,
+                    "rows_mm: x ", x.sizes(), " ", x.scalar_type(), " does not fit the packed weight ", packed.sizes(),
+                    " ", packed.scalar_type(), " of ", n, " rows");
+  Tensor xc = x.contiguous(), y = at::empty({x.size(0), n}, x.options());
+  rows_mm_loop(xc.data_ptr<float>(), packed.data_ptr<float>(), y.data_ptr<float>(), x.size(0), x.size(1), n);
+  return y;
+}
+
+Tensor rows_linear(const Tensor &x, const Tensor &packed, const Tensor &weight) {
+  bool in_c = x.size(0) <= ROWS_MAX && at::get_num_threads() == 1;  // cpu_rows.runs_in_c
+  return in_c ? rows_mm(x, packed, weight.size(0)) : at::linear(x, weight);
+}
+
+Tensor mamba_write(const Tensor &conv_state, const Tensor &ssm_state, const Tensor &conv_stash,
+                   const Tensor &ssm_stash, const Tensor &slot_ids, const Tensor &window, const Tensor &decay,
+                   const Tensor &u, const Tensor &B, const Tensor &C) {
+  int64_t nb = u.size(0), K = u.size(1), H = u.size(2), P = u.size(3), G = B.size(2), N = B.size(3);
+  int64_t S = ssm_state.size(0), Cc = window.size(1), Wm1 = conv_state.size(2);
+  bool state_ok = ssm_state.dim() == 4 && ssm_state.size(1) == H && ssm_state.size(2) == P &&
+                  ssm_state.size(3) == N && ssm_state.stride(1) == P * N && ssm_state.stride(2) == N &&
+                  ssm_state.stride(3) == 1;
+  TORCH_CHECK_VALUE(ssm_state.scalar_type() == at::kFloat && ssm_stash.scalar_type() == at::kFloat && state_ok &&
+                        ssm_stash.sizes() == at::IntArrayRef({nb, K, H, P, N}) && ssm_stash.is_contiguous(),
+                    "mamba_write: ssm_state must be fp32 (S, H, P, N) with contiguous slots, and ssm_stash a "
+                    "contiguous fp32 (B, K, H, P, N)");
+  TORCH_CHECK_VALUE(conv_state.dim() == 3 && conv_state.size(1) == Cc && conv_state.stride(1) == Wm1 &&
+                        conv_state.stride(2) == 1 && conv_state.size(0) == S &&
+                        window.sizes() == at::IntArrayRef({nb, Cc, Wm1 + K}) && conv_stash.is_contiguous() &&
+                        conv_stash.sizes() == window.sizes() && window.scalar_type() == conv_state.scalar_type() &&
+                        conv_stash.scalar_type() == conv_state.scalar_type(),
+                    "mamba_write: conv_state must be (S, C, W-1) with contiguous slots, and window and conv_stash "
+                    "(B, C, W-1+K), conv_stash contiguous, all of one dtype");
+  Tensor slots = slot_ids.to(at::kLong).contiguous();
+  check_slots("mamba_write", slots, S);  // before anything is written
+  Tensor d = decay.to(at::kFloat).contiguous(), uc = u.to(at::kFloat).contiguous();
+  Tensor Bc = B.to(at::kFloat).contiguous(), Cm = C.to(at::kFloat).contiguous(), win = window.contiguous();
+  Tensor y = at::empty({nb, K, H, P}, u.options().dtype(at::kFloat));
+  mamba_rows(d.data_ptr<float>(), uc.data_ptr<float>(), Bc.data_ptr<float>(), Cm.data_ptr<float>(),
+             ssm_state.data_ptr<float>(), ssm_state.stride(0), slots.data_ptr<int64_t>(),
+             ssm_stash.data_ptr<float>(), y.data_ptr<float>(), nb, K, H, G, P, N);
+  // the conv: the window into the stash, its last W-1 columns into the slot
+  int64_t es = win.element_size(), W = Wm1 + K;
+  const char *src = static_cast<const char *>(win.data_ptr());
+  char *state = static_cast<char *>(conv_state.data_ptr());
+  std::memcpy(conv_stash.data_ptr(), src, win.numel() * es);
+  for (int64_t b = 0; b < nb; b++)
+    for (int64_t c = 0; c < Cc; c++)
+      std::memcpy(state + (slots.data_ptr<int64_t>()[b] * conv_state.stride(0) + c * Wm1) * es,
+                  src + ((b * Cc + c) * W + K) * es, Wm1 * es);
+  return y;
+}
+
+void kv_write(const Tensor &k_cache, const Tensor &v_cache, const Tensor &slot_ids, const Tensor &pos,
+              const Tensor &k, const Tensor &v) {
+  int64_t nb = k.size(0), K = k.size(1), S = k_cache.size(0), L = k_cache.size(1);
+  // a cache may be cut to the step's KV rows (S, kv, Hkv, Dh): its slots are apart, its rows must be contiguous
+  bool rows_ok = k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides() &&
+                 k_cache.stride(3) == 1 && k_cache.stride(2) == k_cache.size(3) &&
+                 k_cache.stride(1) == k_cache.size(2) * k_cache.size(3);
+  TORCH_CHECK_VALUE(rows_ok && k.dim() == 4 && k.sizes() == v.sizes() && k.size(2) == k_cache.size(2) &&
+                        k.size(3) == k_cache.size(3) && pos.sizes() == k.sizes().slice(0, 2),
+                    "kv_write: caches (S, L, Hkv, Dh), each position's rows contiguous, and rows k, v (B, K, Hkv, Dh) "
+                    "at pos (B, K)");
+  Tensor slots = slot_ids.to(at::kLong).contiguous(), at_pos = pos.to(at::kLong).contiguous();
+  check_slots("kv_write", slots, S);
+  const int64_t *p = at_pos.data_ptr<int64_t>();
+  for (int64_t i = 0; i < nb * K; i++)
+    TORCH_CHECK_VALUE(0 <= p[i] && p[i] < L, "kv_write: position ", p[i], " (row ", i / K, ", ", i % K,
+                      ") must lie in [0, ", L, ")");
+  int64_t es = k_cache.element_size(), row = k_cache.stride(1) * es, slot = k_cache.stride(0) * es;
+  for (auto [cache, rows] : {std::pair{k_cache, k}, std::pair{v_cache, v}}) {
+    Tensor r = rows.to(cache.scalar_type()).contiguous();
+    char *dst = static_cast<char *>(cache.data_ptr());
+    const char *src = static_cast<const char *>(r.data_ptr());
+    for (int64_t i = 0; i < nb * K; i++)
+      std::memcpy(dst + slots.data_ptr<int64_t>()[i / K] * slot + p[i] * row, src + i * row, row);
+  }
+}
+
+void commit_state(const Tensor &ssm_state, const Tensor &conv_state, const Tensor &ssm_stash,
+                  const Tensor &conv_stash, const Tensor &slot_ids, const Tensor &na, const Tensor &active) {
+  int64_t L = ssm_state.size(0), S = ssm_state.size(1), nb = ssm_stash.size(1), K = ssm_stash.size(2);
+  int64_t Cc = conv_state.size(2), Wm1 = conv_state.size(3);
+  TORCH_CHECK_VALUE(ssm_state.is_contiguous() && ssm_stash.is_contiguous() && conv_state.is_contiguous() &&
+                        conv_stash.is_contiguous() && ssm_state.scalar_type() == ssm_stash.scalar_type() &&
+                        conv_state.scalar_type() == conv_stash.scalar_type() && ssm_stash.size(0) == L &&
+                        ssm_stash.sizes().slice(3) == ssm_state.sizes().slice(2) &&
+                        conv_stash.sizes() == at::IntArrayRef({L, nb, Cc, Wm1 + K}) && conv_state.size(0) == L &&
+                        conv_state.size(1) == S && na.numel() == nb && active.numel() == nb,
+                    "commit_state: contiguous ssm_state (L, S, H, P, N), ssm_stash (L, B, K, H, P, N), conv_state "
+                    "(L, S, C, W-1) and conv_stash (L, B, C, W-1+K), stashes of their state's dtype; na, active (B,)");
+  Tensor slots = slot_ids.to(at::kLong).contiguous(), n = na.to(at::kLong).contiguous();
+  Tensor act = active.to(at::kBool).contiguous();
+  check_slots("commit_state", slots, S);
+  int64_t hpn = ssm_state.stride(1) * ssm_state.element_size(), es = conv_state.element_size();
+  char *ssm = static_cast<char *>(ssm_state.data_ptr()), *conv = static_cast<char *>(conv_state.data_ptr());
+  const char *ssm_src = static_cast<const char *>(ssm_stash.data_ptr());
+  const char *conv_src = static_cast<const char *>(conv_stash.data_ptr());
+  for (int64_t b = 0; b < nb; b++) {
+    int64_t r = n.data_ptr<int64_t>()[b], s = slots.data_ptr<int64_t>()[b];
+    if (!act.data_ptr<bool>()[b] || r >= K - 1) continue;  // inactive, or a full accept: the state is right
+    r = r < 0 ? 0 : r;
+    for (int64_t l = 0; l < L; l++) {
+      std::memcpy(ssm + (l * S + s) * hpn, ssm_src + ((l * nb + b) * K + r) * hpn, hpn);
+      for (int64_t c = 0; c < Cc; c++)  // the window after row r: columns r+1 .. r+W-1
+        std::memcpy(conv + (((l * S + s) * Cc + c) * Wm1) * es,
+                    conv_src + (((l * nb + b) * Cc + c) * (Wm1 + K) + r + 1) * es, Wm1 * es);
+    }
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(nano_spec, m) {
+  m.def("rows_block() -> int", rows_block);
+  m.def("rows_mm(Tensor x, Tensor packed, int n) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(nano_spec, CPU, m) {
+  m.impl("rows_mm", rows_mm);
+  m.impl("rows_linear", rows_linear);
+  m.impl("mamba_write", mamba_write);
+  m.impl("kv_write", kv_write);
+  m.impl("commit_state", commit_state);
+}
