@@ -156,6 +156,16 @@ def test_commit_state_equals_the_reference(K, na, active, dtype):
     assert_unchanged("conv_state", ref[1], out[1])
 
 
+def test_an_op_without_a_kernel_is_an_error_not_a_loop():
+    """An op's Python kernel loads the library and calls the op again, which the library's CPU kernel takes: an op
+    the library has no kernel for must say so rather than call itself until the stack runs out."""
+    from nano_spec.model.cpu_rows import cpu_op
+
+    op = cpu_op("kernel_less_for_a_test(Tensor x) -> Tensor", meta=lambda x: torch.empty_like(x))
+    with pytest.raises(RuntimeError, match="nano_spec::kernel_less_for_a_test: cpu_rows.cpp registers no CPU kernel"):
+        op(torch.zeros(2))
+
+
 ROWS_CASES = [  # (M, N, K): rows, output columns, inputs
     ("one-row-one-short-block", (1, 5, 7)),
     ("in_proj-width-with-a-tail", (4, 1160, 256)),

@@ -98,7 +98,10 @@ def cpu_op(schema: str, meta=lambda *args: None):
     def first_call(*args):
         if any(isinstance(a, Tensor) and a.device.type != "cpu" for a in args):
             raise ValueError(f"nano_spec::{name} has a CPU kernel only")
-        return getattr(library(), name).default(*args)
+        ops = library()
+        if not torch._C._dispatch_has_kernel_for_dispatch_key(f"nano_spec::{name}", "CPU"):  # else: this again
+            raise RuntimeError(f"nano_spec::{name}: {SOURCE.name} registers no CPU kernel for it")
+        return getattr(ops, name).default(*args)
     LIB.define(schema)
     LIB.impl(name, first_call, "CompositeExplicitAutograd")
     LIB.impl(name, meta, "Meta")
