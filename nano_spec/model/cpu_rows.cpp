@@ -98,6 +98,12 @@ void rows_mm_loop(const float *x, const float *w, float *y, int64_t M, int64_t K
 }
 
 // ---- the operators -----------------------------------------------------------------------------------------------
+// C conv rows of W-1 values (es bytes each) into dst (C, W-1), from src (C, width), columns col .. col+W-2: a slot's
+// conv window out of a window of width W-1+K
+void copy_window(char *dst, const char *src, int64_t C, int64_t Wm1, int64_t width, int64_t col, int64_t es) {
+  for (int64_t c = 0; c < C; c++) std::memcpy(dst + c * Wm1 * es, src + (c * width + col) * es, Wm1 * es);
+}
+
 void check_slots(const char *op, const Tensor &slots, int64_t num_slots) {
   const int64_t *s = slots.data_ptr<int64_t>();
   for (int64_t b = 0; b < slots.numel(); b++)
@@ -156,9 +162,8 @@ Tensor mamba_write(const Tensor &conv_state, const Tensor &ssm_state, const Tens
   char *state = static_cast<char *>(conv_state.data_ptr());
   std::memcpy(conv_stash.data_ptr(), src, win.numel() * es);
   for (int64_t b = 0; b < nb; b++)
-    for (int64_t c = 0; c < Cc; c++)
-      std::memcpy(state + (slots.data_ptr<int64_t>()[b] * conv_state.stride(0) + c * Wm1) * es,
-                  src + ((b * Cc + c) * W + K) * es, Wm1 * es);
+    copy_window(state + slots.data_ptr<int64_t>()[b] * conv_state.stride(0) * es, src + b * Cc * W * es, Cc, Wm1, W,
+                K, es);
   return y;
 }
 
@@ -214,9 +219,8 @@ void commit_state(const Tensor &ssm_state, const Tensor &conv_state, const Tenso
     r = r < 0 ? 0 : r;
     for (int64_t l = 0; l < L; l++) {
       std::memcpy(ssm + (l * S + s) * hpn, ssm_src + ((l * nb + b) * K + r) * hpn, hpn);
-      for (int64_t c = 0; c < Cc; c++)  // the window after row r: columns r+1 .. r+W-1
-        std::memcpy(conv + (((l * S + s) * Cc + c) * Wm1) * es,
-                    conv_src + (((l * nb + b) * Cc + c) * (Wm1 + K) + r + 1) * es, Wm1 * es);
+      copy_window(conv + (l * S + s) * Cc * Wm1 * es, conv_src + (l * nb + b) * Cc * (Wm1 + K) * es, Cc, Wm1,
+                  Wm1 + K, r + 1, es);  // the window after row r: columns r+1 .. r+W-1
     }
   }
 }
