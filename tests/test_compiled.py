@@ -4,6 +4,8 @@ capture needs.
 
 One compiled engine per proposer serves every case (its graphs are per bucket, not per request).
 """
+import re
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -179,13 +181,22 @@ def test_graph_check_script(ckpt, capsys):
     assert row["step ms"] > 0 and row["kernels ms"] is None
 
 
+def allocations(src: str) -> list:
+    """The sizes of the buffers a graph's generated code allocates, as tuples: inductor's Python wrapper calls
+    empty_strided_cpu((sizes), ...); its C++ wrapper (cpp_wrapper) names a constant array of the sizes in
+    aoti_torch_empty_strided(ndim, sizes, strides, ...)."""
+    dims = lambda text: tuple(int(d.strip().rstrip("L")) for d in text.split(",") if d.strip())  # noqa: E731
+    arrays = {name: dims(v) for name, v in re.findall(r"int64_t (\w+)\[\] = \{([\dL, ]*)\}", src)}
+    return [dims(d) for d in re.findall(r"empty_strided_cpu\(\(([\d, ]+)\)", src)] + \
+        [arrays[name] for name in re.findall(r"aoti_torch_empty_strided\(\d+, (\w+),", src)]
+
+
 def test_compiled_step_writes_the_caches_where_they_lie(ckpt):
     """The conditions a CUDA graph needs, held on the CPU. Every compiled call is one graph (fullgraph: a graph
     break, which any host sync inside would be, is an error), and nothing copies a cache: no buffer that the
     generated code of a whole generate (MTP drafting, verify, accept rule, commit, catch-up) allocates comes near
     one layer's KV cache, and every cache buffer keeps its address."""
     import math
-    import re
 
     import torch._inductor.config as inductor_config
     from torch._inductor.utils import run_and_get_code
@@ -197,8 +208,7 @@ def test_compiled_step_writes_the_caches_where_they_lie(ckpt):
     addresses = [t.data_ptr() for t in buffers]
     with inductor_config.patch(force_disable_caches=True):  # compiled here, so the code is seen
         _, code = run_and_get_code(tokens, llm, PROMPTS[:2], GREEDY)
-    allocated = [math.prod(int(d) for d in dims.split(",") if d.strip()) for src in code
-                 for dims in re.findall(r"empty_strided_cpu\(\(([\d, ]+)\)", src)]
+    allocated = [math.prod(dims) for src in code for dims in allocations(src)]
     assert code and allocated, len(code)
     layer_kv = c.k[0].numel()  # (S, L, Hkv, Dh) elements
     assert max(allocated) < layer_kv / 8, (max(allocated), layer_kv)
