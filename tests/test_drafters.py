@@ -72,3 +72,36 @@ def test_an_outside_drafter_is_wrapped_once_and_gets_what_it_asked_for(ckpt, tap
         assert outside.admitted == [None, None] and set(outside.caught_up) == {None}
     else:  # the prompt rows' and each verify's tapped layers: nT * D wide
         assert all(t.shape[-1] == len(taps) * llm.model.cfg.hidden_size for t in outside.admitted + outside.caught_up)
+
+
+def test_the_draft_vocabulary_probe_keeps_the_output(ckpt, tmp_path, capsys):
+    """scripts/draft_vocab.py: the MTP head drafting over the N top-ranked tokens only. Its output equals plain
+    decoding's at every N (the script fails if N changes it), and the share of emitted tokens it reports inside
+    the N equals the share counted here from plain decoding's tokens and the ranking. A size past V is one line."""
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from helpers import load_script
+
+    model = shutil.copytree(ckpt, tmp_path / "m")
+    prompts = ["def f(x):", "for i in range(3):"]
+    (model / "eval_prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    V = LLM(str(model), proposer="none", max_batch=1).config.cfg.vocab_size
+    corpus = torch.randint(0, V, (64, 16), generator=torch.Generator().manual_seed(0)).to(torch.int16)
+    save_file({"train": corpus}, str(model / "distill_prompts.safetensors"))
+    probe = load_script("draft_vocab")
+    assert probe.main(["--model", str(model), "--sizes", "1", "16", "--prompts", "2", "--tokens", "8"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines] == [f"N={V}", "N=16", "N=1"]
+    plain = LLM(str(model), proposer="none", max_batch=1).generate(prompts, SamplingParams(max_new_tokens=8,
+                                                                                         ignore_eos=True))
+    emitted = torch.tensor([t for o in plain for t in o.token_ids])
+    ranked = torch.bincount(corpus.long().flatten(), minlength=V).argsort(descending=True)
+    for line, n in zip(lines, (V, 16, 1)):
+        share = torch.isin(emitted, ranked[:n]).float().mean().item()
+        assert f"emitted inside {share:6.1%}" in line, (line, share)
+    with pytest.raises(SystemExit) as e:
+        probe.main(["--model", str(model), "--sizes", str(V + 1)])
+    assert e.value.code == 2 and f"at most the vocabulary size, {V}" in capsys.readouterr().err
