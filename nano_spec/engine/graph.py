@@ -63,8 +63,8 @@ def compile_fn(fn, template: bool = False):
         sizes and strides on each call (`size_asserts`; dynamo's guards check every other input): 126 checks in a
         compiled verify of the shipped weights cost ~0.13 ms of its 1.2.
       - The graph's calls (its fused kernels, the ops of model/graph_ops.py, its buffers) are made from C++
-        (`cpp_wrapper`), not from a generated Python function: ~0.3 ms less a compiled MTP step of the shipped
-        weights, and its graphs are made faster too (DESIGN §12).
+        (`cpp_wrapper`), not from a generated Python function: the shipped weights' compiled steps run 1.13x as
+        fast, and their graphs are made faster too (DESIGN §12).
       - Inductor keeps a fused chain of bf16 ops in fp32 unless told to round after each op as eager does; without
         that, bf16 compiled logits drift from eager's and greedy tokens part within a few dozen (fp32 is unaffected).
       - template: the weights are frozen into the graph (`freezing`: read under no_grad, they become constants)
