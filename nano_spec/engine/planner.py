@@ -95,8 +95,9 @@ class DraftPlanner:
 
     def speedups(self, B: int, bare: bool = False) -> list:
         """E(γ) t_B(0) / t_B(γ) for γ = 0..γ_max: predicted throughput relative to plain decoding. bare: relative to
-        plain decoding's own steps, which skip the catch-up that an "auto" step with γ = 0 still runs (the choice
-        itself compares the steps "auto" can take)."""
+        plain decoding's own steps, which skip the catch-up that an "auto" step with γ = 0 still runs, as far as
+        the drafter's time is known (none inside a compiled step's graph); the choice itself compares the steps
+        "auto" can take."""
         plain = self.bare.get(B.bit_length()) if bare else None
         t0 = B * plain.mean if plain is not None else self.step_cost(B, 0)
         return [self.expected_tokens(g) * t0 / self.step_cost(B, g) for g in range(self.max_drafts + 1)]
