@@ -32,15 +32,19 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=integer(1), default=64, help="new tokens per prompt")
     args = ap.parse_args(argv)
     model = args.model or shipped_weights()
-    counts_file = model / "distill_prompts.safetensors"
-    if not counts_file.is_file():
-        ap.error(f"--model: {counts_file} not found (its token counts rank the vocabulary)")
-    llm = LLM(str(model), proposer="mtp", num_drafts=args.gamma, max_batch=1, threads=1)
+    counts_file, prompts_file = model / "distill_prompts.safetensors", model / "eval_prompts.jsonl"
+    for path, role in ((counts_file, "its token counts rank the vocabulary"), (prompts_file, "the prompts")):
+        if not path.is_file():
+            ap.error(f"--model: {path} not found ({role})")
+    try:
+        llm = LLM(str(model), proposer="mtp", num_drafts=args.gamma, max_batch=1, threads=1)
+    except ValueError as e:  # no checkpoint there, or one without an MTP head
+        ap.error(f"--model: {e}")
     V = llm.config.cfg.vocab_size
     if max(args.sizes) > V:
         ap.error(f"--sizes: at most the vocabulary size, {V}")
     ranked = torch.bincount(load_file(counts_file)["train"].long().flatten(), minlength=V).argsort(descending=True)
-    lines = (model / "eval_prompts.jsonl").read_text().splitlines()
+    lines = prompts_file.read_text().splitlines()
     prompts = [json.loads(line)["prompt"] for line in lines if line.strip()][: args.prompts]
     params = SamplingParams(max_new_tokens=args.tokens, ignore_eos=True)
     full_logits = llm.model.mtp_logits

@@ -77,7 +77,8 @@ def test_an_outside_drafter_is_wrapped_once_and_gets_what_it_asked_for(ckpt, tap
 def test_the_draft_vocabulary_probe_keeps_the_output(ckpt, tmp_path, capsys):
     """scripts/draft_vocab.py: the MTP head drafting over the N top-ranked tokens only. Its output equals plain
     decoding's at every N (the script fails if N changes it), and the share of emitted tokens it reports inside
-    the N equals the share counted here from plain decoding's tokens and the ranking. A size past V is one line."""
+    the N equals the share counted here from plain decoding's tokens and the ranking. A size past V, or a
+    checkpoint without the prompts, is one line."""
     import json
     import shutil
 
@@ -105,3 +106,7 @@ def test_the_draft_vocabulary_probe_keeps_the_output(ckpt, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         probe.main(["--model", str(model), "--sizes", str(V + 1)])
     assert e.value.code == 2 and f"at most the vocabulary size, {V}" in capsys.readouterr().err
+    (model / "eval_prompts.jsonl").unlink()
+    with pytest.raises(SystemExit) as e:
+        probe.main(["--model", str(model)])
+    assert e.value.code == 2 and "eval_prompts.jsonl not found" in capsys.readouterr().err
