@@ -89,16 +89,16 @@ def test_the_draft_vocabulary_probe_keeps_the_output(ckpt, tmp_path, capsys):
     model = shutil.copytree(ckpt, tmp_path / "m")
     prompts = ["def f(x):", "for i in range(3):"]
     (model / "eval_prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
-    V = LLM(str(model), proposer="none", max_batch=1).config.cfg.vocab_size
+    plain = LLM(str(model), proposer="none", max_batch=1)
+    V = plain.config.cfg.vocab_size
     corpus = torch.randint(0, V, (64, 16), generator=torch.Generator().manual_seed(0)).to(torch.int16)
     save_file({"train": corpus}, str(model / "distill_prompts.safetensors"))
     probe = load_script("draft_vocab")
     assert probe.main(["--model", str(model), "--sizes", "1", "16", "--prompts", "2", "--tokens", "8"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in lines] == [f"N={V}", "N=16", "N=1"]
-    plain = LLM(str(model), proposer="none", max_batch=1).generate(prompts, SamplingParams(max_new_tokens=8,
-                                                                                         ignore_eos=True))
-    emitted = torch.tensor([t for o in plain for t in o.token_ids])
+    outputs = plain.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True))
+    emitted = torch.tensor([t for o in outputs for t in o.token_ids])
     ranked = torch.bincount(corpus.long().flatten(), minlength=V).argsort(descending=True)
     for line, n in zip(lines, (V, 16, 1)):
         share = torch.isin(emitted, ranked[:n]).float().mean().item()
