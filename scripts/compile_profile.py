@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 from nano_spec.engine.capacity import weight_bytes
-from nano_spec.engine.graph import compile_fn, gemm_template
+from nano_spec.engine.graph import Compiled, gemm_template
 from nano_spec.engine.llm import LLM
 from nano_spec.model.cpu_rows import linear, pack_linears, pack_rows
 from nano_spec.model.graph_ops import use_graph_ops
@@ -83,7 +83,7 @@ def main(argv=None):
     template = gemm == "template"
     if gemm == "rows":
         pack_linears(compiled.model)
-    verify = compile_fn(compiled.model.verify, template)
+    verify = Compiled(compiled.model.verify, template)  # one graph per K
     torch.set_num_threads(args.threads)  # after LLM(), which may set its own default
     m = eager.model
     weights = [mod.weight for name, mod in m.named_modules()
@@ -96,17 +96,17 @@ def main(argv=None):
             ids = torch.randint(0, m.cfg.vocab_size, (1, K))
             slots, seq_lens = torch.tensor([0]), torch.tensor([32])
             xs = [torch.randn(1, K, w.shape[1], dtype=w.dtype) for w in weights]
-            linears = compile_fn(Linears(weights, packed=gemm == "rows").forward, template)
-            linears(xs)
+            linears = Compiled(Linears(weights, packed=gemm == "rows").forward, template)
+            linears(K, xs)
             t0 = time.perf_counter()
-            verify(ids, slots, seq_lens, compiled.runner.cache, 32 + K)
+            verify(K, ids, slots, seq_lens, compiled.runner.cache, 32 + K)
             compile_s = time.perf_counter() - t0
             stash, state = eager.runner.cache.ssm_stash(1, K), eager.runner.cache.ssm_state[:, :1, None]
             timed = {
                 "eager": lambda: m.verify(ids, slots, seq_lens, eager.runner.cache, 32 + K),
-                "compiled": lambda: verify(ids, slots, seq_lens, compiled.runner.cache, 32 + K),
+                "compiled": lambda: verify(K, ids, slots, seq_lens, compiled.runner.cache, 32 + K),
                 "matmul floor": lambda: [F.linear(x, w) for x, w in zip(xs, weights)],
-                "gemm floor": lambda: linears(xs),
+                "gemm floor": lambda: linears(K, xs),
                 "stream": lambda: flat.sum(),
                 "stash floor": lambda: stash.copy_(state.expand_as(stash)),  # (Lm, 1, K, H, P, N)
             }

@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from helpers import load_script, tiny_checkpoint
 from nano_spec import LLM, SamplingParams
-from nano_spec.engine.graph import bucket
+from nano_spec.engine.graph import Compiled, bucket
 
 PROMPTS = ["def f(x):", "for i in range(10):\n    print(i)\n", "h", "héllo wörld ✓ héllo", "x = 1\ny = 2\n" * 3]
 GREEDY = SamplingParams(max_new_tokens=16, ignore_eos=True)
@@ -47,6 +47,7 @@ def tokens(llm, prompts, params):
 def test_compiled_tokens_equal_eager(ckpt, proposer, gamma):
     kw = dict(proposer=proposer, num_drafts=gamma, max_batch=3, backend="torch", device="cpu", max_seq_len=96)
     eager, compiled = LLM(ckpt, **kw), LLM(ckpt, compile=True, **kw)
+    compiled.runner.graph.compiled.check_guards = True  # every bucket's key names the graph its inputs need
     # batch 1; batch 3 with slot reuse; a JSON schema. Under auto each engine's planner picks γ from its own
     # clock, so their random draws differ: greedy only there (lossless whatever γ is picked)
     cases = [(PROMPTS[:1], GREEDY), (PROMPTS, GREEDY), (PROMPTS[:3], SCHEMA)]
@@ -82,6 +83,34 @@ def test_dynamo_settings_of_the_process_are_left_as_they_were(ckpt):
     llm.on_step = lambda report: seen.append((config.recompile_limit, config.fail_on_recompile_limit_hit))
     tokens(llm, PROMPTS[:2], GREEDY)
     assert set(seen) == {before} and (config.recompile_limit, config.fail_on_recompile_limit_hit) == before
+
+
+class Scale(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(4), requires_grad=False)
+
+    def forward(self, x, *, double: bool):
+        y = x * self.w
+        return y * 2 if double else y
+
+
+@torch.no_grad()
+def test_a_made_graph_runs_by_its_key():
+    """Compiled runs a made graph by the key it was made for, without dynamo's guards; with check_guards, a key
+    that names a graph made for other inputs is an error."""
+    m, x = Scale(), torch.randn(3, 4)
+    compiled = Compiled(m.forward)
+    for key, double in (("once", False), ("twice", True)):
+        for _ in range(2):  # made, then run by its key
+            assert torch.equal(compiled(key, x, double=double), m(x, double=double))
+    assert set(compiled.graphs) == {"once", "twice"}
+    compiled.check_guards = True
+    assert torch.equal(compiled("twice", x, double=True), m(x, double=True))
+    with pytest.raises(RuntimeError, match="names a graph made for other inputs"):
+        compiled("once", x, double=True)
+    with pytest.raises(RuntimeError, match="names a graph made for other inputs"):
+        compiled("once", torch.randn(5, 4), double=False)
 
 
 def test_buckets():
@@ -129,6 +158,7 @@ def test_gemm_template_tokens_equal_eager(ckpt, monkeypatch):
     monkeypatch.setattr(graph, "TEMPLATE_FROM", 0)
     compiled = LLM(ckpt, compile=True, **kw)
     assert compiled.runner.graph.template
+    compiled.runner.graph.compiled.check_guards = True
     for prompts, params in [(PROMPTS[:1], GREEDY), (PROMPTS, GREEDY), (PROMPTS, SAMPLED)]:
         assert tokens(compiled, prompts, params) == tokens(eager, prompts, params), (len(prompts), params)
 

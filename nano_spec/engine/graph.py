@@ -16,18 +16,20 @@ The step function, fn(*batched, kv=, **static) -> a tuple of tensors with the ba
 only buffers allocated once (static addresses), has no host sync, and takes its host-made inputs (random draws,
 host drafts, grammar masks) as arguments: the conditions a CUDA graph needs, which the tests hold on the CPU.
 """
+import inspect
 import time
 import types
 from collections import Counter
 from contextlib import contextmanager, nullcontext
 
 import torch
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
 from nano_spec.model.cpu_rows import pack_linears
 from nano_spec.model.graph_ops import use_graph_ops
 
-KV_MIN = 256  # the smallest KV bucket: each bucket is one more graph to make, and a short one saves little
 RECOMPILE_LIMIT = 4096  # graphs of one function over all engines of a process
+KV_MIN = 256  # the smallest KV bucket: each bucket is one more graph to make, and a short one saves little
 MODES = ("eager", "compiled", "cuda_graph")
 TEMPLATE_FROM = 64 << 20  # weight bytes from which a compiled graph's matmuls use the C++ GEMM template
 
@@ -55,13 +57,22 @@ def gemm_template(weight_bytes: int) -> bool:
     return weight_bytes >= TEMPLATE_FROM
 
 
-def compile_fn(fn, template: bool = False):
-    """torch.compile of fn, a bound method, with nano_spec's settings, which each call runs under (a call may
-    compile). fn runs over its own code object (own_code), so its graphs are its own.
-      - The weights are fixed for an engine's life, so the guards skip the modules' attributes: checking every
-        parameter on each call cost ~0.3 ms. For the same reason the graph's code does not assert each input's
-        sizes and strides on each call (`size_asserts`; dynamo's guards check every other input): 126 checks in a
-        compiled verify of the shipped weights cost ~0.13 ms of its 1.2.
+class Compiled:
+    """fn, a bound method, through torch.compile with nano_spec's settings, one graph per key:
+    `compiled(key, *args, **kwargs)` runs key's graph, made (compiled, or loaded from inductor's cache) on key's
+    first call, from that call's arguments.
+
+    Once made, a graph runs without dynamo's entry: no frame evaluation, no search of the function's graphs, no
+    guards. The key names the graph instead: dynamo's code for the graph, which gathers the graph's inputs and calls
+    it, is called as a function (a plain step of the shipped weights 0.17 ms faster, an MTP γ = 3 one 0.25 ms;
+    docs/BENCHMARKS.md, "The step without dynamo's entry"). So the key must hold everything the graph was made for:
+    the inputs' shapes, strides and dtypes, and every value fn's Python branches on (StepGraph's bucket).
+    `check_guards` runs the graph's guards before each call and raises where they fail: the tests hold, with it,
+    that their keys name what the graphs assume.
+      - fn runs over its own code object (own_code): dynamo keeps its graphs there, so one engine's are its own.
+      - The weights are fixed for an engine's life, so the guards skip the modules' attributes (checking every
+        parameter cost ~0.3 ms a call), and the graph's code does not assert its inputs' sizes and strides
+        (`size_asserts`: 126 checks in a compiled verify of the shipped weights cost ~0.13 ms of its 1.2).
       - The graph's calls (its fused kernels, the ops of model/graph_ops.py, its buffers) are made from C++
         (`cpp_wrapper`), not from a generated Python function: the shipped weights' compiled steps run 1.13x as
         fast, and their graphs are made faster too (DESIGN §12).
@@ -70,24 +81,49 @@ def compile_fn(fn, template: bool = False):
       - template: the weights are frozen into the graph (`freezing`: read under no_grad, they become constants)
         and every matmul by a weight is inductor's C++ GEMM template (`max_autotune` with the CPP backend alone, so
         nothing is benchmarked; gemm_template says why). A graph holds its own packed copy of the weights.
-      - Dynamo's settings are these calls', not the process's: every bucket is one more entry of fn's code object,
-        and a hit limit is an error rather than a silent fall back to eager."""
-    options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe, "emulate_precision_casts": True,
-               "size_asserts": False, "cpp_wrapper": True}
-    compiled = torch.compile(own_code(fn), fullgraph=True, dynamic=False, options=options)
-    dynamo = torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True)
+      - Dynamo's settings are the making calls', not the process's: every bucket is one more graph of fn's code
+        object, and a hit limit is an error rather than a silent fall back to eager."""
 
-    def call(*args, **kwargs):
-        with dynamo, frozen_gemm() if template else nullcontext():  # ~20 us a call
-            return compiled(*args, **kwargs)
-    return call
+    def __init__(self, fn, template: bool = False):
+        options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
+                   "emulate_precision_casts": True, "size_asserts": False, "cpp_wrapper": True}
+        self.fn, self.template, self.check_guards = own_code(fn), template, False
+        self.traced = torch.compile(self.fn, fullgraph=True, dynamic=False, options=options)
+        self.graphs = {}  # key -> (dynamo's code for the graph as a function, the graph's guards)
+
+    def __call__(self, key, *args, **kwargs):
+        made = self.graphs.get(key)
+        if made is None:
+            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True), \
+                    frozen_gemm() if self.template else nullcontext():
+                out = self.traced(*args, **kwargs)
+            self.graphs[key] = self._made(args, kwargs)
+            return out
+        run, guards = made
+        if self.check_guards and not guards.check(self._locals(args, kwargs)):
+            raise RuntimeError(f"compiled step: key {key} names a graph made for other inputs: "
+                               f"{guards.check_verbose(self._locals(args, kwargs)).verbose_code_parts}")
+        return run(self.fn.__self__, *args, **kwargs)
+
+    def _locals(self, args, kwargs) -> dict:
+        bound = inspect.signature(self.fn.__func__).bind(self.fn.__self__, *args, **kwargs)
+        bound.apply_defaults()
+        return bound.arguments
+
+    def _made(self, args, kwargs):
+        """The graph dynamo runs for these arguments (the one whose guards pass) as (its code as a function over
+        fn's globals, closure and defaults, its guards)."""
+        f, f_locals = self.fn.__func__, self._locals(args, kwargs)
+        entry = next(e for e in _debug_get_cache_entry_list(f.__code__) if e.guard_manager.check(f_locals))
+        run = types.FunctionType(entry.code, f.__globals__, f.__name__, f.__defaults__, f.__closure__)
+        run.__kwdefaults__ = f.__kwdefaults__
+        return run, entry.guard_manager
 
 
 def own_code(method):
     """A bound method over a copy of its function's code object. Dynamo keeps its graphs on the code object and,
-    with the modules' guards skipped (compile_fn), would run a graph traced for one engine in another whose
-    weights differ in layout (packed, frozen in the GEMM template, or neither): each compiled call's graphs are
-    its own."""
+    with the modules' guards skipped (Compiled), would run a graph traced for one engine in another whose weights
+    differ in layout (packed, frozen in the GEMM template, or neither): each compiled function's graphs are its own."""
     f = method.__func__
     own = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
     own.__kwdefaults__ = f.__kwdefaults__
@@ -115,8 +151,11 @@ def no_phase(name: str):
 
 
 def pad(t, Bp: int):
-    """t (B, ...) padded to Bp rows by repeating row 0; None stays None."""
-    return t if t is None or t.shape[0] == Bp else torch.cat([t, t[:1].expand(Bp - t.shape[0], *t.shape[1:])])
+    """t (B, ...) padded to Bp rows by repeating row 0, contiguous (a graph is made for its inputs' strides); None
+    stays None."""
+    if t is None:
+        return None
+    return (t if t.shape[0] == Bp else torch.cat([t, t[:1].expand(Bp - t.shape[0], *t.shape[1:])])).contiguous()
 
 
 class StepGraph:
@@ -153,7 +192,7 @@ class StepGraph:
         self.route = {}  # bucket key without a graph -> the key of the graph that serves it
         self.graphs, self.warmed = {}, set()  # cuda_graph: key -> (CUDAGraph, static inputs, outputs); keys run once
         if mode == "compiled":
-            self.compiled = compile_fn(fn, self.template)
+            self.compiled = Compiled(fn, self.template)
             for net in () if self.template else nets:
                 pack_linears(net)
 
@@ -178,7 +217,7 @@ class StepGraph:
         t0 = time.perf_counter()
         with self.phase("step"):
             if self.mode == "compiled":
-                out = self.compiled(*batched, kv=kv, phase=no_phase, **static)  # a new key compiles (or loads)
+                out = self.compiled(key, *batched, kv=kv, phase=no_phase, **static)  # a new key compiles (or loads)
             elif key not in self.warmed:
                 # cuda_graph: a bucket's first call runs eager, so that every kernel it launches is compiled (and
                 # cuBLAS has its workspace) before the capture; a warm-up inside the capture would run the step twice
