@@ -28,8 +28,8 @@ from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from nano_spec.model.cpu_rows import pack_linears
 from nano_spec.model.graph_ops import use_graph_ops
 
-RECOMPILE_LIMIT = 4096  # graphs of one function over all engines of a process
 KV_MIN = 256  # the smallest KV bucket: each bucket is one more graph to make, and a short one saves little
+RECOMPILE_LIMIT = 4096  # graphs of one function over all engines of a process
 MODES = ("eager", "compiled", "cuda_graph")
 TEMPLATE_FROM = 64 << 20  # weight bytes from which a compiled graph's matmuls use the C++ GEMM template
 
@@ -101,7 +101,7 @@ class Compiled:
             return out
         run, guards = made
         if self.check_guards and not guards.check(self._locals(args, kwargs)):
-            raise RuntimeError(f"compiled step: key {key} names a graph made for other inputs: "
+            raise RuntimeError(f"compiled: key {key} names a graph made for other inputs: "
                                f"{guards.check_verbose(self._locals(args, kwargs)).verbose_code_parts}")
         return run(self.fn.__self__, *args, **kwargs)
 
@@ -114,7 +114,9 @@ class Compiled:
         """The graph dynamo runs for these arguments (the one whose guards pass) as (its code as a function over
         fn's globals, closure and defaults, its guards)."""
         f, f_locals = self.fn.__func__, self._locals(args, kwargs)
-        entry = next(e for e in _debug_get_cache_entry_list(f.__code__) if e.guard_manager.check(f_locals))
+        entry = next((e for e in _debug_get_cache_entry_list(f.__code__) if e.guard_manager.check(f_locals)), None)
+        if entry is None:  # the call changed what its own graph's guards read
+            raise RuntimeError(f"compiled: no graph of {f.__name__} takes the arguments it was just made for")
         run = types.FunctionType(entry.code, f.__globals__, f.__name__, f.__defaults__, f.__closure__)
         run.__kwdefaults__ = f.__kwdefaults__
         return run, entry.guard_manager
