@@ -58,18 +58,12 @@ def gemm_template(weight_bytes: int) -> bool:
 
 
 class Compiled:
-    """fn, a bound method, through torch.compile with nano_spec's settings, one graph per key:
-    `compiled(key, *args, **kwargs)` runs key's graph, made (compiled, or loaded from inductor's cache) on key's
-    first call, from that call's arguments.
-
-    Once made, a graph runs without dynamo's entry: no frame evaluation, no search of the function's graphs, no
-    guards. The key names the graph instead: dynamo's code for the graph, which gathers the graph's inputs and calls
-    it, is called as a function (a plain step of the shipped weights 0.17 ms faster, an MTP γ = 3 one 0.25 ms;
-    docs/BENCHMARKS.md, "The step without dynamo's entry"). So the key must hold everything the graph was made for:
-    the inputs' shapes, strides and dtypes, and every value fn's Python branches on (StepGraph's bucket).
-    `check_guards` runs the graph's guards before each call and raises where they fail: the tests hold, with it,
-    that their keys name what the graphs assume.
-      - fn runs over its own code object (own_code): dynamo keeps its graphs there, so one engine's are its own.
+    """fn, a bound method, through torch.compile with nano_spec's settings: `compiled(key, *args, **kwargs)` runs key's
+    graph, made (compiled, or loaded from inductor's cache) on key's first call. Later calls skip dynamo's entry
+    (frame evaluation, the search of fn's graphs, their guards: 0.17 ms of a plain step of the shipped weights):
+    dynamo's code for the graph, which gathers its inputs and calls it, runs as a function. So the key must name all
+    the graph was made for (StepGraph's bucket); `check_guards` (the tests) runs the guards and raises where they fail.
+      - fn runs over its own code object (own_code), where dynamo keeps its graphs: an engine's graphs are its own.
       - The weights are fixed for an engine's life, so the guards skip the modules' attributes (checking every
         parameter cost ~0.3 ms a call), and the graph's code does not assert its inputs' sizes and strides
         (`size_asserts`: 126 checks in a compiled verify of the shipped weights cost ~0.13 ms of its 1.2).
