@@ -74,7 +74,7 @@ def test_bf16_compiled_plain_equals_bf16_eager(ckpt):
 
 
 def test_dynamo_settings_of_the_process_are_left_as_they_were(ckpt):
-    """The recompile limit and its fail switch hold inside the compiled calls only."""
+    """The recompile limit and its fail switch hold only inside the calls that make a graph."""
     config = torch._dynamo.config
     before = (config.recompile_limit, config.fail_on_recompile_limit_hit)
     llm = LLM(ckpt, compile=True, proposer="mtp", num_drafts=3, max_batch=3, backend="torch", device="cpu",
