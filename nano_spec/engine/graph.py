@@ -60,7 +60,7 @@ def gemm_template(weight_bytes: int) -> bool:
 class Compiled:
     """fn, a bound method, through torch.compile with nano_spec's settings: `compiled(key, *args, **kwargs)` runs key's
     graph, made (compiled, or loaded from inductor's cache) on key's first call. Later calls skip dynamo's entry
-    (frame evaluation, the search of fn's graphs, their guards: 0.17 ms of a plain step of the shipped weights):
+    (frame evaluation, the search of fn's graphs, their guards: ~0.4 ms of a plain step of the shipped weights):
     dynamo's code for the graph, which gathers its inputs and calls it, runs as a function. So the key must name all
     the graph was made for (StepGraph's bucket); `check_guards` (the tests) runs the guards and raises where they fail.
       - fn runs over its own code object (own_code), where dynamo keeps its graphs: an engine's graphs are its own.
