@@ -83,7 +83,7 @@ class Compiled:
                    "emulate_precision_casts": True, "size_asserts": False, "cpp_wrapper": True}
         self.fn, self.template, self.check_guards = own_code(fn), template, False
         self.traced = torch.compile(self.fn, fullgraph=True, dynamic=False, options=options)
-        self.graphs = {}  # key -> (dynamo's code for the graph as a function, the graph's guards)
+        self.graphs = {}  # key -> (dynamo's code for the graph as a method of fn's instance, the graph's guards)
 
     def __call__(self, key, *args, **kwargs):
         made = self.graphs.get(key)
@@ -94,10 +94,10 @@ class Compiled:
             self.graphs[key] = self._made(args, kwargs)
             return out
         run, guards = made
-        if self.check_guards and not guards.check(self._locals(args, kwargs)):
+        if self.check_guards and not guards.check(f_locals := self._locals(args, kwargs)):
             raise RuntimeError(f"compiled: key {key} names a graph made for other inputs: "
-                               f"{guards.check_verbose(self._locals(args, kwargs)).verbose_code_parts}")
-        return run(self.fn.__self__, *args, **kwargs)
+                               f"{guards.check_verbose(f_locals).verbose_code_parts}")
+        return run(*args, **kwargs)
 
     def _locals(self, args, kwargs) -> dict:
         bound = inspect.signature(self.fn.__func__).bind(self.fn.__self__, *args, **kwargs)
@@ -105,25 +105,27 @@ class Compiled:
         return bound.arguments
 
     def _made(self, args, kwargs):
-        """The graph dynamo runs for these arguments (the one whose guards pass) as (its code as a function over
-        fn's globals, closure and defaults, its guards)."""
+        """The graph dynamo runs for these arguments (the one whose guards pass) as (its code as a method of fn's
+        instance, its guards)."""
         f, f_locals = self.fn.__func__, self._locals(args, kwargs)
         entry = next((e for e in _debug_get_cache_entry_list(f.__code__) if e.guard_manager.check(f_locals)), None)
         if entry is None:  # the call changed what its own graph's guards read
             raise RuntimeError(f"compiled: no graph of {f.__name__} takes the arguments it was just made for")
-        run = types.FunctionType(entry.code, f.__globals__, f.__name__, f.__defaults__, f.__closure__)
-        run.__kwdefaults__ = f.__kwdefaults__
-        return run, entry.guard_manager
+        return types.MethodType(with_code(f, entry.code), self.fn.__self__), entry.guard_manager
 
 
 def own_code(method):
     """A bound method over a copy of its function's code object. Dynamo keeps its graphs on the code object and,
     with the modules' guards skipped (Compiled), would run a graph traced for one engine in another whose weights
     differ in layout (packed, frozen in the GEMM template, or neither): each compiled function's graphs are its own."""
-    f = method.__func__
-    own = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
-    own.__kwdefaults__ = f.__kwdefaults__
-    return types.MethodType(own, method.__self__)
+    return types.MethodType(with_code(method.__func__, method.__func__.__code__.replace()), method.__self__)
+
+
+def with_code(f, code):
+    """f's function (globals, closure, defaults) over another code object."""
+    g = types.FunctionType(code, f.__globals__, f.__name__, f.__defaults__, f.__closure__)
+    g.__kwdefaults__ = f.__kwdefaults__
+    return g
 
 
 @contextmanager
