@@ -12,7 +12,7 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from nano_spec.model.cpu_rows import pack_rows, rows_mm, runs_in_c
+from nano_spec.model.cpu_rows import on_huge_pages, pack_rows, rows_mm, runs_in_c
 
 MATMULS = ("mm", "addmm", "bmm")  # the aten calls a linear becomes
 
@@ -57,20 +57,22 @@ def record(llm, run) -> tuple:
 
 def as_packed(calls) -> list:
     """The recorded calls as a packing compiled step runs them: mm(x, w) and addmm(b, x, w) whose rows run in C
-    (cpu_rows.runs_in_c) through rows_mm over w's packed copy (made here, once per weight; the bias add left out),
-    the rest as they are. w is the weight as a linear passes it, (in, out). rows_mm is called straight: the operator
-    and Python around it in a step are the step's overhead, not its matmuls."""
-    packs, out = {}, []
+    (cpu_rows.runs_in_c) through rows_mm over w's packed copy (made here, once per weight, on huge pages as the
+    engine's are; the bias add left out), the rest as they are. w is the weight as a linear passes it, (in, out).
+    rows_mm is called straight: the operator and Python around it in a step are the step's overhead, not its
+    matmuls."""
+    weights, plan = {}, []  # (data pointer, shape, strides) -> w; per call, (x, w's key) or None
     for func, args, kwargs in calls:
         x, w = {"mm": args[:2], "addmm": args[1:3]}.get(func.overloadpacket.__name__, (None, None))
         if x is None or x.dtype != torch.float32 or not runs_in_c(x.shape[0]):
-            out.append((func, args, kwargs))
+            plan.append(None)
             continue
         key = (w.data_ptr(), tuple(w.shape), w.stride())
-        if key not in packs:
-            packs[key] = pack_rows(w.t())
-        out.append((rows_mm, (x, packs[key], w.shape[1]), {}))
-    return out
+        weights.setdefault(key, w)
+        plan.append((x, key))
+    packs = dict(zip(weights, on_huge_pages([pack_rows(w.t()) for w in weights.values()])))
+    return [call if p is None else (rows_mm, (p[0], packs[p[1]], weights[p[1]].shape[1]), {})
+            for call, p in zip(calls, plan)]
 
 
 def matmul_floor_ms(llm, run, rounds: int = 3) -> dict:

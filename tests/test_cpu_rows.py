@@ -4,15 +4,19 @@ The Mamba verify (graph_ops.mamba_verify, its recurrence in C++) against the tor
 stash and the states bit for bit, y to 1e-4, the slots it must not touch unchanged; the kernel alone computes
 every row as a one-row call does. The cache writes (kv_write) and the commit (commit_state) against torch's
 indexing and commit_state_ref. The products of few rows by a packed weight (rows_mm) against float64, a row the
-same in any call, and the linears of a network packed (pack_linears) against ATen's."""
+same in any call, the linears of a network packed (pack_linears) against ATen's, and the block the packed copies
+share (on_huge_pages)."""
+import gc
+import mmap
+
 import pytest
 import torch
 
 import torch.nn.functional as F
 
 from helpers import assert_close, assert_unchanged, tiny_model
-from nano_spec.model.cpu_rows import (ROWS_MAX, RowsLinear, commit_state, kv_write, linear, mamba_write,
-                                      pack_linears, pack_rows, rows_mm)
+from nano_spec.model.cpu_rows import (HUGE_PAGE, ROWS_MAX, RowsLinear, commit_state, kv_write, linear,
+                                      mamba_write, on_huge_pages, pack_linears, pack_rows, rows_mm)
 from nano_spec.model.graph_ops import mamba_verify
 from nano_spec_kernels.mamba_verify import mamba_verify_ref
 from nano_spec_kernels.commit_state import commit_state_ref
@@ -212,6 +216,25 @@ def test_linear_leaves_many_rows_and_more_threads_to_aten():
         torch.set_num_threads(1)
 
 
+@pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="no transparent huge pages on this OS")
+def test_on_huge_pages_copies_into_one_aligned_block():
+    """Exact copies of any dtype and layout, contiguous, each 64-byte aligned from a 2 MB boundary, without overlap,
+    in one storage that keeps the mapping alive; a write to a copy leaves its original and the other copies alone."""
+    tensors = [torch.randn(3, 5), torch.randn(7, dtype=torch.float64), torch.randint(0, 255, (13,), dtype=torch.uint8),
+               pack_rows(torch.randn(70, 40)), torch.randn(2, 3, 4).transpose(0, 2)]
+    copies = on_huge_pages(tensors)
+    gc.collect()  # the mapping's Python object is gone: the copies hold it
+    for i, (want, got) in enumerate(zip(tensors, copies)):
+        assert_unchanged(f"copy {i}", want, got)
+        assert got.is_contiguous() and got.data_ptr() % 64 == 0
+    assert copies[0].data_ptr() % HUGE_PAGE == 0
+    assert len({c.untyped_storage().data_ptr() for c in copies}) == 1
+    spans = sorted((c.data_ptr(), c.data_ptr() + c.nbytes) for c in copies)
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+    copies[0].zero_()
+    assert tensors[0].abs().sum() > 0 and copies[1].equal(tensors[1])
+
+
 @pytest.mark.parametrize("tied", [True, False], ids=["tied-head", "own-head"])
 def test_pack_linears_keeps_the_weights_and_computes_what_aten_does(tied):
     """The state dict is the same tensors under the same names; every linear, the fused q/k/v and a tied head
@@ -228,6 +251,9 @@ def test_pack_linears_keeps_the_weights_and_computes_what_aten_does(tied):
     assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
     assert sum(isinstance(m, RowsLinear) for m in model.modules()) > 0 and (model.head_packed is not None) == tied
     assert all(m.qkv_packed is not None for m in model.modules() if hasattr(m, "qkv_packed"))
+    packed = [t for name, t in model.named_buffers() if "packed" in name] + [model.head_packed] * tied
+    assert len({t.untyped_storage().data_ptr() for t in packed}) == (1 if hasattr(mmap, "MADV_HUGEPAGE") else
+                                                                     len(packed))  # one block
     assert_close("logits", ref, out, atol=1e-5)
     half = tiny_model().bfloat16()
     pack_linears(half)

@@ -23,11 +23,17 @@ packed once (pack_rows: blocks of NB output columns, each contiguous) and each b
 registers, so one pass over the weight serves MB rows. Row m's sums run over K in one order whatever M, so a row
 comes out the same, bit for bit, in a 1-row and in a K-row call.
 
+A step of one row reads every weight once and does little else with it, so its products run at the speed memory
+delivers the weights. A network's packed copies lie in one block of memory on 2 MB pages where the OS grants them
+(on_huge_pages): with 4 KB pages the ~27 MB of the shipped weights span ~6,600 pages, more than the TLB holds, and
+each step walks the page tables again (DESIGN §12 has the measurements).
+
 The library is built once per machine and torch with the C++ compiler inductor also needs (c++, or $CXX), and
 cached.
 """
 import functools
 import hashlib
+import mmap
 import os
 import platform
 import shutil
@@ -41,6 +47,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 SOURCE = Path(__file__).with_name("cpu_rows.cpp")  # the kernels of the ops below, and rows_mm
+HUGE_PAGE = 2 << 20  # a transparent huge page on x86-64 and most arm64 kernels
 ROWS_MAX = 16  # rows up to which rows_mm beats ATen's GEMM on one thread (docs/BENCHMARKS.md, "K rows")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-std=c++20", f"-DROWS_MAX={ROWS_MAX}")
 
@@ -137,6 +144,25 @@ def pack_rows(weight: Tensor) -> Tensor:
     return packed.view(-1, NB, K).transpose(1, 2).contiguous()
 
 
+def on_huge_pages(tensors: list) -> list:
+    """Copies of tensors in one private anonymous mapping advised for transparent huge pages, each at a multiple of
+    64 bytes from a 2 MB boundary; the copies keep the mapping alive. Where the OS has no such advice (not Linux) the
+    tensors come back as they are. The kernel grants the pages on first touch, here, if it can: with THP set to
+    `never`, or no 2 MB page free, the copies still work, on small pages."""
+    if not tensors or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return list(tensors)
+    offsets, total = [], 0
+    for t in tensors:
+        offsets.append(total)
+        total += -(-t.nbytes // 64) * 64
+    block = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE)
+    block.madvise(mmap.MADV_HUGEPAGE)
+    raw = torch.frombuffer(block, dtype=torch.uint8)  # holds a reference to block
+    start = -raw.data_ptr() % HUGE_PAGE
+    return [raw[start + o : start + o + t.nbytes].view(t.dtype).view(t.shape).copy_(t)
+            for o, t in zip(offsets, tensors)]
+
+
 def rows_mm(x: Tensor, packed: Tensor, n: int) -> Tensor:
     """x (M, K) fp32 times the weight (n, K) that pack_rows packed -> y = x W^T (M, n) fp32, one thread."""
     return library().rows_mm(x, packed, n)
@@ -167,10 +193,10 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, packed: Tensor
 class RowsLinear(nn.Module):
     """An nn.Linear's weight and bias (the same tensors under the same names) with a packed copy of the weight."""
 
-    def __init__(self, lin: nn.Linear):
+    def __init__(self, lin: nn.Linear, packed: Tensor | None = None):
         super().__init__()
         self.weight, self.bias = lin.weight, lin.bias
-        self.register_buffer("packed", pack_rows(lin.weight), persistent=False)
+        self.register_buffer("packed", pack_rows(lin.weight) if packed is None else packed, persistent=False)
 
     def forward(self, x):
         return linear(x, self.weight, self.bias, self.packed)
@@ -179,13 +205,17 @@ class RowsLinear(nn.Module):
 def pack_linears(net: nn.Module):
     """Every fp32 weight of net that a step multiplies gets its packed copy: its nn.Linear layers become RowsLinear,
     and a module that multiplies a weight itself names it in `packs`, (weight attribute, its packed buffer) pairs
-    (layers.Attention's fused q/k/v, the target's tied output layer). Other dtypes keep ATen's GEMM."""
+    (layers.Attention's fused q/k/v, the target's tied output layer). The copies lie together on huge pages
+    (on_huge_pages). Other dtypes keep ATen's GEMM."""
     if next(net.parameters()).dtype != torch.float32:
         return
+    linears, owners = [], []  # (module, child name, nn.Linear); (module, packed attribute, weight)
     for module in list(net.modules()):
-        for name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(module, name, RowsLinear(child))
-        for weight, packed in getattr(module, "packs", ()):
-            if getattr(module, weight) is not None:
-                setattr(module, packed, pack_rows(getattr(module, weight)))
+        linears += [(module, name, child) for name, child in module.named_children() if isinstance(child, nn.Linear)]
+        owners += [(module, packed, getattr(module, weight)) for weight, packed in getattr(module, "packs", ())
+                   if getattr(module, weight) is not None]
+    packed = iter(on_huge_pages([pack_rows(w) for w in [lin.weight for *_, lin in linears] + [w for *_, w in owners]]))
+    for module, name, lin in linears:
+        setattr(module, name, RowsLinear(lin, next(packed)))
+    for module, attr, _ in owners:
+        setattr(module, attr, next(packed))
