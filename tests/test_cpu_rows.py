@@ -218,21 +218,48 @@ def test_linear_leaves_many_rows_and_more_threads_to_aten():
 
 @pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="no transparent huge pages on this OS")
 def test_on_huge_pages_copies_into_one_aligned_block():
-    """Exact copies of any dtype and layout, contiguous, each 64-byte aligned from a 2 MB boundary, without overlap,
-    in one storage that keeps the mapping alive; a write to a copy leaves its original and the other copies alone."""
+    """Exact copies of any dtype and layout, each 64-byte aligned from a 2 MB boundary, without overlap, in one
+    storage that keeps the mapping alive; a dense tensor keeps its strides (an input-major weight), one with gaps
+    comes back contiguous; a write to a copy leaves its original and the other copies alone."""
     tensors = [torch.randn(3, 5), torch.randn(7, dtype=torch.float64), torch.randint(0, 255, (13,), dtype=torch.uint8),
-               pack_rows(torch.randn(70, 40)), torch.randn(2, 3, 4).transpose(0, 2)]
-    copies = on_huge_pages(tensors)
+               pack_rows(torch.randn(70, 40)), torch.randn(2, 3, 4).transpose(0, 2), torch.randn(4, 6).t().unsqueeze(1),
+               torch.randn(9, 8)[:, ::2]]
+    copies = list(on_huge_pages(tensors))
     gc.collect()  # the mapping's Python object is gone: the copies hold it
     for i, (want, got) in enumerate(zip(tensors, copies)):
         assert_unchanged(f"copy {i}", want, got)
-        assert got.is_contiguous() and got.data_ptr() % 64 == 0
+        assert got.data_ptr() % 64 == 0
+        assert got.stride() == (want.stride() if i < len(tensors) - 1 else want.contiguous().stride()), i
     assert copies[0].data_ptr() % HUGE_PAGE == 0
     assert len({c.untyped_storage().data_ptr() for c in copies}) == 1
     spans = sorted((c.data_ptr(), c.data_ptr() + c.nbytes) for c in copies)
     assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
     copies[0].zero_()
     assert tensors[0].abs().sum() > 0 and copies[1].equal(tensors[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_for_inference_moves_the_weights_onto_one_block(dtype):
+    """The state dict keeps its Parameters and their values bit for bit; fp32 linear weights turn input-major, bf16
+    ones keep their layout; every weight, the fused q/k/v too, lies in one storage; the logits stay the model's."""
+    model = tiny_model().to(dtype)
+    before = {k: v.detach().clone() for k, v in model.state_dict(keep_vars=True).items()}
+    params = dict(model.named_parameters())
+    ids = torch.randint(0, model.cfg.vocab_size, (1, 5))
+    with torch.no_grad():
+        ref = model(ids)
+        model.for_inference()
+        out = model(ids)
+    for name, p in model.named_parameters():
+        assert p is params[name]
+        assert_unchanged(name, before[name], p.detach())
+    linear_weight = model.model.layers[0].shared_mlp.input_linear.weight
+    assert linear_weight.stride() == ((1, linear_weight.shape[0]) if dtype == torch.float32 else (linear_weight.shape[1], 1))
+    fused = [m.qkv_weight for m in model.modules() if getattr(m, "qkv_weight", None) is not None]
+    weights = [p for p in model.parameters()] + fused
+    assert fused and len({t.untyped_storage().data_ptr() for t in weights}) == (1 if hasattr(mmap, "MADV_HUGEPAGE")
+                                                                                 else len(weights))
+    assert_close("logits", ref.float(), out.float(), atol=1e-5 if dtype == torch.float32 else 2e-2)
 
 
 @pytest.mark.parametrize("tied", [True, False], ids=["tied-head", "own-head"])

@@ -144,13 +144,16 @@ def pack_rows(weight: Tensor) -> Tensor:
     return packed.view(-1, NB, K).transpose(1, 2).contiguous()
 
 
-def on_huge_pages(tensors: list) -> list:
-    """Copies of tensors in one private anonymous mapping advised for transparent huge pages, each at a multiple of
-    64 bytes from a 2 MB boundary; the copies keep the mapping alive. Where the OS has no such advice (not Linux) the
-    tensors come back as they are. The kernel grants the pages on first touch, here, if it can: with THP set to
-    `never`, or no 2 MB page free, the copies still work, on small pages."""
+def on_huge_pages(tensors: list):
+    """Copies of CPU tensors, yielded in order, in one private anonymous mapping advised for transparent huge pages,
+    each at a multiple of 64 bytes from a 2 MB boundary, with the strides of a dense tensor kept (an input-major
+    weight stays so); the copies keep the mapping alive. The mapping's pages are made as the copies are written, so
+    a caller that drops each original as its copy comes holds at most one tensor twice. Where the OS has no such
+    advice (not Linux) the tensors come back as they are. The kernel grants 2 MB pages if it can: with THP set to
+    `never`, or none free, the copies still work, on small pages."""
     if not tensors or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return list(tensors)
+        yield from tensors
+        return
     offsets, total = [], 0
     for t in tensors:
         offsets.append(total)
@@ -159,8 +162,20 @@ def on_huge_pages(tensors: list) -> list:
     block.madvise(mmap.MADV_HUGEPAGE)
     raw = torch.frombuffer(block, dtype=torch.uint8)  # holds a reference to block
     start = -raw.data_ptr() % HUGE_PAGE
-    return [raw[start + o : start + o + t.nbytes].view(t.dtype).view(t.shape).copy_(t)
-            for o, t in zip(offsets, tensors)]
+    for i, o in enumerate(offsets):
+        t = tensors[i]  # read now: the caller may have replaced the ones before
+        yield dense_like(raw[start + o : start + o + t.nbytes].view(t.dtype), t).copy_(t)
+
+
+def dense_like(flat: Tensor, t: Tensor) -> Tensor:
+    """flat (t.numel(),) viewed with t's shape, and with its strides where t is dense (no gaps, no overlap)."""
+    dense = sorted((s, n) for s, n in zip(t.stride(), t.shape) if n > 1)
+    step = 1
+    for stride, size in dense:
+        if stride != step:
+            return flat.view(t.shape)
+        step *= size
+    return flat.as_strided(t.shape, t.stride())
 
 
 def rows_mm(x: Tensor, packed: Tensor, n: int) -> Tensor:
@@ -214,7 +229,7 @@ def pack_linears(net: nn.Module):
         linears += [(module, name, child) for name, child in module.named_children() if isinstance(child, nn.Linear)]
         owners += [(module, packed, getattr(module, weight)) for weight, packed in getattr(module, "packs", ())
                    if getattr(module, weight) is not None]
-    packed = iter(on_huge_pages([pack_rows(w) for w in [lin.weight for *_, lin in linears] + [w for *_, w in owners]]))
+    packed = on_huge_pages([pack_rows(w) for w in [lin.weight for *_, lin in linears] + [w for *_, w in owners]])
     for module, name, lin in linears:
         setattr(module, name, RowsLinear(lin, next(packed)))
     for module, attr, _ in owners:

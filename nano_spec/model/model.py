@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from nano_spec_kernels.common import apply_rope_ref
 from nano_spec.model.cache import HybridCache
 from nano_spec.model.config import ModelConfig
-from nano_spec.model.cpu_rows import linear
+from nano_spec.model.cpu_rows import linear, on_huge_pages
 from nano_spec.model.layers import Attention, Norm
 from nano_spec.model.ops import Ops
 from nano_spec.model.weights import FLOAT_DTYPES, CheckpointError, load_tensors
@@ -118,7 +118,9 @@ class HybridLM(nn.Module):
           - on the CPU in fp32, every linear weight and the embedding stored transposed, (in, out) in memory: for the
             few rows of a decode step torch's CPU GEMM streams that layout about 1.5x faster than (out, in)
             (docs/BENCHMARKS.md, "The step as one graph"); bf16 keeps (out, in), which its GEMM (oneDNN) reads faster
-            (at the 350m shapes the K=1 matmuls take 65 ms against 75 transposed). The tensors keep their shape."""
+            (at the 350m shapes the K=1 matmuls take 65 ms against 75 transposed). The tensors keep their shape;
+          - on the CPU, every weight in one block of memory on 2 MB pages (cpu_rows.on_huge_pages): a decode step
+            streams them all, and on 4 KB pages their pages overflow the TLB."""
         w = self.model.embed_tokens.weight
         cpu = w.device.type == "cpu" and w.dtype == torch.float32
         for m in self.modules():  # on the CPU the embedding too: it is the tied head, and gathers strided rows fine
@@ -127,6 +129,16 @@ class HybridLM(nn.Module):
                 m.qkv_weight = in_major(m.qkv_weight) if cpu else m.qkv_weight
             elif cpu and isinstance(m, (nn.Linear, nn.Embedding)):
                 m.weight.data = in_major(m.weight.data)
+        if w.device.type == "cpu":  # each original dropped as its copy comes: the weights are never held twice
+            params = [p for _, p in self.named_parameters()]  # a tied weight once
+            fused = [m for m in self.modules() if isinstance(m, Attention) and m.qkv_weight is not None]
+            tensors = [p.data for p in params] + [m.qkv_weight for m in fused]
+            for i, (owner, t) in enumerate(zip(params + fused, on_huge_pages(tensors))):
+                tensors[i] = None
+                if isinstance(owner, Attention):
+                    owner.qkv_weight = t
+                else:
+                    owner.data = t
         return self
 
     # ---- pieces shared by every entry point ----------------------------------------------
