@@ -18,8 +18,8 @@ MATMULS = ("mm", "addmm", "bmm")  # the aten calls a linear becomes
 
 
 class WeightMatmuls(TorchDispatchMode):
-    """Records the matmuls that read a weight (a tensor on a storage of `weights`), with a copy of their other
-    tensors, as they run."""
+    """Records the matmuls that read a weight (a tensor whose data starts at an address of `weights`: the weights
+    share one storage, on_huge_pages), with a copy of their other tensors, as they run."""
 
     def __init__(self, weights: set):
         super().__init__()
@@ -27,7 +27,7 @@ class WeightMatmuls(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        reads = [isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() in self.weights for a in args]
+        reads = [isinstance(a, torch.Tensor) and a.data_ptr() in self.weights for a in args]
         if func.overloadpacket.__name__ in MATMULS and any(reads):
             self.calls.append((func, [a.clone() if isinstance(a, torch.Tensor) and not w else a
                                       for a, w in zip(args, reads)], kwargs))
@@ -38,7 +38,7 @@ def record(llm, run) -> tuple:
     """run(), a pass of an eager engine llm -> (the weight matmuls its device steps ran, as (func, args, kwargs);
     the number of device steps)."""
     nets = [m for m in (llm.model, getattr(llm.drafter, "net", None)) if m is not None]
-    weights = {t.untyped_storage().data_ptr() for net in nets  # the fused q/k/v weights are buffers
+    weights = {t.data_ptr() for net in nets  # the fused q/k/v weights are buffers
                for t in [*net.parameters(), *net.buffers()]}
     recorder, step, steps = WeightMatmuls(weights), llm.runner.graph.fn, []
 
