@@ -216,11 +216,17 @@ def test_linear_leaves_many_rows_and_more_threads_to_aten():
         torch.set_num_threads(1)
 
 
+def one_block(tensors) -> bool:
+    """The tensors lie back to back (64-byte aligned) from a 2 MB boundary: on_huge_pages' block."""
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.nbytes) for t in tensors if t.numel())
+    return spans[0][0] % HUGE_PAGE == 0 and all(0 <= nxt - end < 64 for (_, end), (nxt, _) in zip(spans, spans[1:]))
+
+
 @pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="no transparent huge pages on this OS")
 def test_on_huge_pages_copies_into_one_aligned_block():
-    """Exact copies of any dtype and layout, each 64-byte aligned from a 2 MB boundary, without overlap, in one
-    storage that keeps the mapping alive; a dense tensor keeps its strides (an input-major weight), one with gaps
-    comes back contiguous; a write to a copy leaves its original and the other copies alone."""
+    """Exact copies of any dtype and layout, back to back from a 2 MB boundary, each its own storage (offset 0) that
+    keeps the mapping alive; a dense tensor keeps its strides (an input-major weight), one with gaps comes back
+    contiguous; a write to a copy leaves its original and the other copies alone."""
     tensors = [torch.randn(3, 5), torch.randn(7, dtype=torch.float64), torch.randint(0, 255, (13,), dtype=torch.uint8),
                pack_rows(torch.randn(70, 40)), torch.randn(2, 3, 4).transpose(0, 2), torch.randn(4, 6).t().unsqueeze(1),
                torch.randn(9, 8)[:, ::2]]
@@ -228,12 +234,9 @@ def test_on_huge_pages_copies_into_one_aligned_block():
     gc.collect()  # the mapping's Python object is gone: the copies hold it
     for i, (want, got) in enumerate(zip(tensors, copies)):
         assert_unchanged(f"copy {i}", want, got)
-        assert got.data_ptr() % 64 == 0
+        assert got.storage_offset() == 0 and got.untyped_storage().nbytes() == got.nbytes, i
         assert got.stride() == (want.stride() if i < len(tensors) - 1 else want.contiguous().stride()), i
-    assert copies[0].data_ptr() % HUGE_PAGE == 0
-    assert len({c.untyped_storage().data_ptr() for c in copies}) == 1
-    spans = sorted((c.data_ptr(), c.data_ptr() + c.nbytes) for c in copies)
-    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+    assert one_block(copies) and copies[0].data_ptr() % HUGE_PAGE == 0
     copies[0].zero_()
     assert tensors[0].abs().sum() > 0 and copies[1].equal(tensors[1])
 
@@ -256,9 +259,7 @@ def test_for_inference_moves_the_weights_onto_one_block(dtype):
     linear_weight = model.model.layers[0].shared_mlp.input_linear.weight
     assert linear_weight.stride() == ((1, linear_weight.shape[0]) if dtype == torch.float32 else (linear_weight.shape[1], 1))
     fused = [m.qkv_weight for m in model.modules() if getattr(m, "qkv_weight", None) is not None]
-    weights = [p for p in model.parameters()] + fused
-    assert fused and len({t.untyped_storage().data_ptr() for t in weights}) == (1 if hasattr(mmap, "MADV_HUGEPAGE")
-                                                                                 else len(weights))
+    assert fused and one_block([*model.parameters(), *fused]) == hasattr(mmap, "MADV_HUGEPAGE")
     assert_close("logits", ref.float(), out.float(), atol=1e-5 if dtype == torch.float32 else 2e-2)
 
 
@@ -279,8 +280,7 @@ def test_pack_linears_keeps_the_weights_and_computes_what_aten_does(tied):
     assert sum(isinstance(m, RowsLinear) for m in model.modules()) > 0 and (model.head_packed is not None) == tied
     assert all(m.qkv_packed is not None for m in model.modules() if hasattr(m, "qkv_packed"))
     packed = [t for name, t in model.named_buffers() if "packed" in name] + [model.head_packed] * tied
-    assert len({t.untyped_storage().data_ptr() for t in packed}) == (1 if hasattr(mmap, "MADV_HUGEPAGE") else
-                                                                     len(packed))  # one block
+    assert one_block(set(packed)) == hasattr(mmap, "MADV_HUGEPAGE")
     assert_close("logits", ref, out, atol=1e-5)
     half = tiny_model().bfloat16()
     pack_linears(half)

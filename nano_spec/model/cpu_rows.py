@@ -146,11 +146,12 @@ def pack_rows(weight: Tensor) -> Tensor:
 
 def on_huge_pages(tensors: list):
     """Copies of CPU tensors, yielded in order, in one private anonymous mapping advised for transparent huge pages,
-    each at a multiple of 64 bytes from a 2 MB boundary, with the strides of a dense tensor kept (an input-major
-    weight stays so); the copies keep the mapping alive. The mapping's pages are made as the copies are written, so
-    a caller that drops each original as its copy comes holds at most one tensor twice. Where the OS has no such
-    advice (not Linux) the tensors come back as they are. The kernel grants 2 MB pages if it can: with THP set to
-    `never`, or none free, the copies still work, on small pages."""
+    each its own storage at a multiple of 64 bytes from a 2 MB boundary (a graph that freezes weights as constants
+    wants no views into a shared storage), with the strides of a dense tensor kept (an input-major weight stays so);
+    each copy keeps the mapping alive. The mapping's pages are made as the copies are written, so a caller that
+    drops each original as its copy comes holds at most one tensor twice. Where the OS has no such advice (not
+    Linux) the tensors come back as they are. The kernel grants 2 MB pages if it can: with THP set to `never`, or
+    none free, the copies still work, on small pages."""
     if not tensors or not hasattr(mmap, "MADV_HUGEPAGE"):
         yield from tensors
         return
@@ -160,11 +161,14 @@ def on_huge_pages(tensors: list):
         total += -(-t.nbytes // 64) * 64
     block = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE)
     block.madvise(mmap.MADV_HUGEPAGE)
-    raw = torch.frombuffer(block, dtype=torch.uint8)  # holds a reference to block
-    start = -raw.data_ptr() % HUGE_PAGE
+    start = -torch.frombuffer(block, dtype=torch.uint8, count=1).data_ptr() % HUGE_PAGE
     for i, o in enumerate(offsets):
         t = tensors[i]  # read now: the caller may have replaced the ones before
-        yield dense_like(raw[start + o : start + o + t.nbytes].view(t.dtype), t).copy_(t)
+        if t.numel() == 0:
+            yield torch.empty_like(t)
+            continue
+        flat = torch.frombuffer(block, dtype=t.dtype, count=t.numel(), offset=start + o)  # holds a reference to block
+        yield dense_like(flat, t).copy_(t)
 
 
 def dense_like(flat: Tensor, t: Tensor) -> Tensor:
