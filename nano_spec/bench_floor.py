@@ -18,8 +18,8 @@ MATMULS = ("mm", "addmm", "bmm")  # the aten calls a linear becomes
 
 
 class WeightMatmuls(TorchDispatchMode):
-    """Records the matmuls that read a weight (a tensor whose data starts at an address of `weights`: the weights
-    share one storage, on_huge_pages), with a copy of their other tensors, as they run."""
+    """Records the matmuls that read a weight (a tensor whose data starts where one of `weights` does: a linear
+    passes its weight transposed, a view of the same data), with a copy of their other tensors, as they run."""
 
     def __init__(self, weights: set):
         super().__init__()

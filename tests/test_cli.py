@@ -136,7 +136,7 @@ def test_bench_floor_records_every_weight_a_step_reads(ckpt):
         linears.update({f"{n}.qkv": mod.qkv_weight for n, mod in m.named_modules() if hasattr(mod, "qkv_weight")})
         want = {n for n in linears if proposer == "mtp" or not n.startswith("mtp")} - {
             n for n in linears if n.endswith(("q_proj", "k_proj", "v_proj"))}  # fused into qkv for inference
-        ptrs = {w.data_ptr(): n for n, w in linears.items()}  # one storage holds them all (on_huge_pages)
+        ptrs = {w.data_ptr(): n for n, w in linears.items()}
         ids = [engine.llm.tokenizer.encode("def f(x):")]
         calls, steps = record(engine.llm, lambda: engine.generate(ids, 6))
         seen = {ptrs[a.data_ptr()] for _, args, _ in calls for a in args
