@@ -153,7 +153,6 @@ def test_gemm_template_tokens_equal_eager(ckpt, monkeypatch):
     compiled afresh: one loaded from inductor's cache binds the frozen weights anew and hid a wrong freeze once."""
     from nano_spec.engine import graph
 
-
     kw = dict(proposer="mtp", num_drafts=3, max_batch=3, backend="torch", device="cpu", max_seq_len=96)
     eager = LLM(ckpt, **kw)
     assert not LLM(ckpt, compile=True, **kw).runner.graph.template  # the tiny model's weights fit in a cache
