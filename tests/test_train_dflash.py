@@ -128,6 +128,43 @@ def test_target_cache_changes_nothing_but_time(amp):
     assert computed == [2, 1] and cache.have.tolist() == [True, False, False, True, True]
 
 
+def test_compiled_block_loss_equals_eager():
+    """--compile's function (torch.compile of block_loss): the loss, CE by position, agreement and every gradient of
+    the eager one, within 1e-5."""
+    from types import SimpleNamespace
+    from helpers import tiny_model
+
+    script = load_script("train_dflash")
+    model = tiny_model(seed=4).requires_grad_(False)
+    dcfg = DFlashConfig.for_target(model.cfg, num_layers=1, block_size=3)
+    args = SimpleNamespace(seq_len=13, anchors=3, first_anchor=2, labels="target", decay=2.0)
+    batch = torch.randint(1, model.cfg.vocab_size, (2, 14), generator=torch.Generator().manual_seed(5))
+    runs = []
+    for block_loss in (script.block_loss, torch.compile(script.block_loss)):
+        drafter = init_weights(DFlashModel(dcfg, model.ops), std=0.2, seed=1)
+        out = script.losses(model, drafter, batch, args, torch.Generator().manual_seed(0), block_loss=block_loss)
+        out[0].backward()
+        runs.append([*out, *(p.grad for p in drafter.parameters())])
+    names = ["loss", "ce", "agree", "accept"] + [n for n, _ in drafter.named_parameters()]
+    for name, ref, got in zip(names, *runs):
+        assert_close(name, ref, got, atol=1e-5)
+
+
+def test_compile_flag_compiles_the_training_steps(trained, tmp_path, monkeypatch):
+    """--compile hands block_loss to torch.compile once, and the steps run what it returns."""
+    base, _, corpus, _ = trained
+    script, compiled, ran = load_script("train_dflash"), [], []
+
+    def compile_(f):
+        compiled.append(f)
+        return lambda *a: ran.append(1) or f(*a)
+    monkeypatch.setattr(torch, "compile", compile_)
+    argv = ["--base", base, "--out", tmp_path / "out", "--corpus", corpus, *SMALL, "--compile"]
+    assert script.main([str(a) for a in argv]) == 0
+    assert compiled == [script.block_loss] and len(ran) == 3  # the 3 steps; held-out evaluations run eager
+    assert json.loads((tmp_path / "out" / "dflash_train_log.json").read_text())["args"]["compile"] is True
+
+
 def test_mask_rows():
     mask = load_script("train_dflash").block_mask(torch.tensor([[1, 3]]), 5, 2)[0].int()
     assert mask.tolist() == [[1, 0, 0, 0, 0, 1, 1, 0, 0],  # anchor 1: context position 0, its own block
