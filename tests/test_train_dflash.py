@@ -93,17 +93,23 @@ def test_stacked_anchors_equal_one_forward_per_anchor():
                 assert_close(f"sequence {b} anchor {a}", want[0], got[b, k], atol=1e-5)
 
 
+def loss_inputs(model_seed: int):
+    """The script, a tiny frozen target, a 1-layer block-3 drafter config and the settings losses() reads."""
+    from types import SimpleNamespace
+    from helpers import tiny_model
+
+    model = tiny_model(seed=model_seed).requires_grad_(False)
+    args = SimpleNamespace(seq_len=13, anchors=3, first_anchor=2, labels="target", decay=2.0)
+    return load_script("train_dflash"), model, DFlashConfig.for_target(model.cfg, num_layers=1, block_size=3), args
+
+
 @pytest.mark.parametrize("amp", ["none", "bf16"])
 def test_target_cache_changes_nothing_but_time(amp):
     """--cache-target: the loss, its gradient and the logged figures equal those of the target's forward, bit for bit,
     on the visit that fills the cache and on a later one that reads it; only the windows not yet kept are computed."""
     from types import SimpleNamespace
-    from helpers import tiny_model
 
-    script = load_script("train_dflash")
-    model = tiny_model(seed=2).requires_grad_(False)
-    dcfg = DFlashConfig.for_target(model.cfg, num_layers=1, block_size=3)
-    args = SimpleNamespace(seq_len=13, anchors=3, first_anchor=2, labels="target", decay=2.0)
+    script, model, dcfg, args = loss_inputs(model_seed=2)
     windows = torch.randint(1, model.cfg.vocab_size, (5, 14), generator=torch.Generator().manual_seed(1))
     cache = script.TargetCache(5, 13, model.cfg.hidden_size, len(dcfg.target_layer_ids),
                                torch.bfloat16 if amp == "bf16" else torch.float32, "cpu")
@@ -131,13 +137,7 @@ def test_target_cache_changes_nothing_but_time(amp):
 def test_compiled_block_loss_equals_eager():
     """--compile's function (torch.compile of block_loss): the loss, CE by position, agreement and every gradient of
     the eager one, within 1e-5."""
-    from types import SimpleNamespace
-    from helpers import tiny_model
-
-    script = load_script("train_dflash")
-    model = tiny_model(seed=4).requires_grad_(False)
-    dcfg = DFlashConfig.for_target(model.cfg, num_layers=1, block_size=3)
-    args = SimpleNamespace(seq_len=13, anchors=3, first_anchor=2, labels="target", decay=2.0)
+    script, model, dcfg, args = loss_inputs(model_seed=4)
     batch = torch.randint(1, model.cfg.vocab_size, (2, 14), generator=torch.Generator().manual_seed(5))
     runs = []
     for block_loss in (script.block_loss, torch.compile(script.block_loss)):
