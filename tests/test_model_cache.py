@@ -90,16 +90,22 @@ def test_commit_equals_verify_of_accepted_rows(model, na):
 
 @torch.no_grad()
 def test_mtp_cached_equals_nocache(model):
-    T = 14
+    """The drafter's path through the head's cache: a catch-up runs the attention half (mtp_prefill,
+    mtp_attention), the MLP half runs at the last accepted row (mtp_mlp), drafts run whole rows (mtp_forward);
+    each output equals the no-cache reference's row, and a catch-up writes the K/V rows the whole layer would."""
+    T, one = 14, torch.tensor([1])
     ids = torch.randint(0, 67, (1, T + 1))
     h = model.hidden(ids[:, :T])  # (1, T, D)
     ref = model.mtp_hidden(ids[:, 1 : T + 1], h)[0]  # (T, D)
-    kv = mtp_kv(model.cfg, 3, 32)
-    o = model.mtp_prefill(ids[0, 1:9], h[0, :8], 1, *kv)
-    assert_close("mtp prefill", ref[:8], o)
-    o = model.mtp_forward(ids[:, 9:13], h[:, 8:12], torch.tensor([1]), torch.tensor([8]), *kv)
-    assert_close("mtp catch-up rows", ref[8:12], o[0])
-    o = model.mtp_forward(ids[:, 13:15], h[:, 12:14], torch.tensor([1]), torch.tensor([12]), *kv, kv_len=16)
+    kv, whole = mtp_kv(model.cfg, 3, 32), mtp_kv(model.cfg, 3, 32)
+    r = model.mtp_prefill(ids[0, 1:9], h[0, :8], 1, *kv)  # (8, D)
+    assert_close("mtp prefill, then the MLP half", ref[:8], model.mtp_mlp(r))
+    r = model.mtp_attention(ids[:, 9:13], h[:, 8:12], one, one * 8, *kv)  # (1, 4, D)
+    assert_close("mtp catch-up, then the MLP half at row 1 of 4", ref[9], model.mtp_mlp(r[0, 1]))
+    model.mtp_forward(ids[:, 1:13], h[:, :12], one, one * 0, *whole)
+    for a, b, name in zip(kv, whole, ("k", "v")):
+        assert_close(f"mtp catch-up's {name} rows = the whole layer's", b[1, :12], a[1, :12])
+    o = model.mtp_forward(ids[:, 13:15], h[:, 12:14], one, one * 12, *kv, kv_len=16)
     assert_close("mtp rows with kv_len bound", ref[12:14], o[0])
     assert_close("mtp logits", model.mtp_logits(ref[12:14]), model.mtp_logits(o[0]))
 

@@ -25,9 +25,11 @@ def test_model_triton_equals_torch(overrides, device):
         lg = model.verify(ids[:, 9:13], slots, lens, cache, kv_len=16)
         kv = mtp_kv(model.cfg, 4, 32, device)
         o = model.mtp_forward(ids[:, 9:13], cache.hidden_stash(2, 4), slots, lens, *kv)
-        op = model.mtp_prefill(ids[0, 1:10], hidden[0], 3, *kv)
+        r = model.mtp_prefill(ids[0, 1:10], hidden[0], 3, *kv)
+        a = model.mtp_attention(ids[:, 9:13], cache.hidden_stash(2, 4), slots, lens, *kv)
         results.append(dict(forward=model(ids), prefill=model.logits(hidden[1]), verify=lg, mtp_forward=o,
-                            mtp_prefill=op, ssm=cache.ssm_state, conv=cache.conv_state, k=cache.k))
+                            mtp_prefill=r, mtp_attention=a, mtp_mlp=model.mtp_mlp(a), mtp_k=kv[0],
+                            ssm=cache.ssm_state, conv=cache.conv_state, k=cache.k))
     for name in results[0]:
         assert_close(f"triton vs torch: {name}", results[0][name], results[1][name])
 

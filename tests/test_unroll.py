@@ -22,9 +22,10 @@ def engine_chain(model, ids, h, p, depth):
     true tokens: catch-up rows 0..p, then depth-1 mtp_forward calls at positions p+1.. -> [o_1 .. o_depth] (D,)."""
     kv = mtp_kv(model.cfg, num_slots=2, max_len=64)
     slot = 1
-    o = model.mtp_prefill(ids[1:p + 2], h[:p + 1], slot, *kv)[-1:]  # (1, D): catch-up output at p
-    outs = [o[0]]
     slots = torch.tensor([slot])
+    r = model.mtp_prefill(ids[1:p + 2], h[:p + 1], slot, *kv)  # (p + 1, D): the catch-up's attention half
+    o = model.mtp_mlp(r[-1:])  # (1, D): the output at p
+    outs = [o[0]]
     for d in range(2, depth + 1):
         pos = torch.tensor([p + d - 1])
         o = model.mtp_forward(ids[p + d].view(1, 1), o[:, None], slots, pos, *kv, kv_len=p + depth + 1)[:, 0]

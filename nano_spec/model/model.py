@@ -156,13 +156,12 @@ class HybridLM(nn.Module):
         out = self.lm_head(y) if self.lm_head is not None else linear(y, self.tied_head, None, self.head_packed)
         return out / self.cfg.logits_scaling
 
-    def _stack(self, h, layers, final_norm: Norm | None, mix, taps=(), tapped_out=None):
+    def _stack(self, h, layers, final_norm: Norm, mix, taps=(), tapped_out=None):
         """Run decoder layers over the residual stream h (..., D); mix(i, layer, y) is the mixer. taps maps a layer
         to a column block of tapped_out (..., nT*D), which receives the residual after that layer (a block drafter's
         context, DESIGN §13).
 
-        Each RMSNorm is fused with the residual add before it. Returns the final-normed y, or with
-        final_norm None the residual h after the last layer (what the MTP head's callers want).
+        Each RMSNorm is fused with the residual add before it. Returns the final-normed y.
         """
         eps, rm, D = self.cfg.rms_norm_eps, self.cfg.residual_multiplier, self.cfg.hidden_size
         y, h = self.ops.rmsnorm(h, layers[0].input_layernorm.weight, eps)
@@ -170,8 +169,6 @@ class HybridLM(nn.Module):
             out = mix(i, layer, y)
             y, h = self.ops.rmsnorm(out, layer.post_attention_layernorm.weight, eps, residual=h, multiplier=rm)
             nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else final_norm
-            if nxt is None:
-                return h + rm * layer.shared_mlp(y)  # the residual add rmsnorm would do, no norm
             y, h = self.ops.rmsnorm(layer.shared_mlp(y), nxt.weight, eps, residual=h, multiplier=rm)
             if i in taps:
                 tapped_out[..., taps[i] * D : (taps[i] + 1) * D] = h
@@ -268,13 +265,40 @@ class HybridLM(nn.Module):
         return self.logits(y)
 
     # ---- 4. the MTP draft head -----------------------------------------------------------------
-    def _mtp(self, next_ids, h, attend):
-        """MTPHead's layer over next_ids (...) and h (..., D), attend(attn, y) its attention -> o (..., D)."""
+    # A catch-up runs the head over every verified row for the K/V rows its attention writes, but a draft needs
+    # the head's output at one row a sequence, the last accepted. So the layer runs in two halves: the catch-up
+    # (mtp_prefill, mtp_attention) stops after the attention and keeps the residual; the MLP half (mtp_mlp), 2/3
+    # of the layer's weights, runs at that one row when a draft grows from it. Where products cost by the row
+    # (8 sequences on a CPU: docs/BENCHMARKS.md, "Batch 8"), that saves K - 1 rows of it a step.
+    def _mtp_in(self, next_ids, h):
+        """The head's input: x = eh_proj([enorm(E next_ids), hnorm(h)]) (..., D), the residual its layer starts from."""
         eps, mtp = self.cfg.rms_norm_eps, self.mtp
         e = self.ops.rmsnorm(self.model.embed_tokens(next_ids), mtp.enorm.weight, eps)[0]
         hn = self.ops.rmsnorm(h, mtp.hnorm.weight, eps)[0]
-        return self._stack(mtp.eh_proj(torch.cat([e, hn], dim=-1)), [mtp.layer], None,
-                           lambda i, layer, y: attend(layer.self_attn, y))
+        return mtp.eh_proj(torch.cat([e, hn], dim=-1))
+
+    def _mtp_attention(self, next_ids, h, attend):
+        """The layer's first half over next_ids (...), h (..., D), attend(attn, y) its attention -> (y, r): the
+        residual r = x + rm * attention (..., D), and y its post-attention norm, the MLP's input."""
+        eps, layer, x = self.cfg.rms_norm_eps, self.mtp.layer, self._mtp_in(next_ids, h)
+        out = attend(layer.self_attn, self.ops.rmsnorm(x, layer.input_layernorm.weight, eps)[0])
+        return self.ops.rmsnorm(out, layer.post_attention_layernorm.weight, eps, residual=x,
+                                multiplier=self.cfg.residual_multiplier)
+
+    def mtp_mlp(self, r, y=None):
+        """The layer's second half: the residual r (..., D) after the attention (y: its norm, if at hand) -> the
+        head's output o (..., D), before the head's final norm."""
+        layer = self.mtp.layer
+        y = self.ops.rmsnorm(r, layer.post_attention_layernorm.weight, self.cfg.rms_norm_eps)[0] if y is None else y
+        return r + self.cfg.residual_multiplier * layer.shared_mlp(y)
+
+    def _mtp(self, next_ids, h, attend):
+        """The whole layer over next_ids (...), h (..., D), attend(attn, y) its attention -> o (..., D)."""
+        y, r = self._mtp_attention(next_ids, h, attend)
+        return self.mtp_mlp(r, y)
+
+    def _mtp_cached(self, slot_ids, positions, k_cache, v_cache, kv_len):
+        return lambda attn, y: self._attend(attn, y, k_cache[:, :kv_len], v_cache[:, :kv_len], slot_ids, positions)
 
     def mtp_logits(self, o):
         """MTP layer output o (..., D) (before its norm) -> draft logits (..., V)."""
@@ -286,17 +310,19 @@ class HybridLM(nn.Module):
         return self._mtp(next_ids, h, lambda attn, y: self._attend_nocache(attn, y, pos))
 
     def mtp_prefill(self, next_ids, h, slot: int, k_cache, v_cache):
-        """Catch-up over a prompt's rows 0..T-1: next_ids (T,), h (T, D) -> o (T, D); writes the MTP KV rows
-        0..T-1 of slot `slot` in k_cache, v_cache (S, L, Hkv, Dh)."""
-        return self._mtp(next_ids, h, lambda attn, y: self._attend(attn, y, k_cache, v_cache, slot))
+        """Catch-up over a prompt's rows 0..T-1: next_ids (T,), h (T, D); writes the MTP KV rows 0..T-1 of slot
+        `slot` in k_cache, v_cache (S, L, Hkv, Dh) -> the residual after the attention, r (T, D)."""
+        return self._mtp_attention(next_ids, h, lambda attn, y: self._attend(attn, y, k_cache, v_cache, slot))[1]
+
+    def mtp_attention(self, next_ids, h, slot_ids, positions, k_cache, v_cache, kv_len: int | None = None):
+        """Catch-up after a verify, R = K rows per sequence at MTP positions positions[b] + r: next_ids (B, R),
+        h (B, R, D); writes their MTP KV rows -> the residual after the attention, r (B, R, D)."""
+        return self._mtp_attention(next_ids, h, self._mtp_cached(slot_ids, positions, k_cache, v_cache, kv_len))[1]
 
     def mtp_forward(self, next_ids, h, slot_ids, positions, k_cache, v_cache, kv_len: int | None = None):
-        """R rows per sequence at MTP positions positions[b] + r: next_ids (B, R), h (B, R, D) -> o (B, R, D).
-
-        Catch-up after a verify (R = K) and each recursive draft step (R = 1).
-        """
-        return self._mtp(next_ids, h, lambda attn, y: self._attend(attn, y, k_cache[:, :kv_len], v_cache[:, :kv_len],
-                                                                   slot_ids, positions))
+        """The whole layer over R rows per sequence at MTP positions positions[b] + r: next_ids (B, R), h (B, R, D)
+        -> o (B, R, D). Each recursive draft step (R = 1)."""
+        return self._mtp(next_ids, h, self._mtp_cached(slot_ids, positions, k_cache, v_cache, kv_len))
 
 
 def load_model(path, device="cpu", dtype=torch.float32, backend: str = "torch") -> HybridLM:

@@ -13,9 +13,10 @@ counted the same way. A GPU run is held to these numbers: measured / predicted i
 The steps, as nano_spec/engine/runner.py runs them, bf16 (the CUDA default) at B sequences, each with ctx cache rows:
   plain    proposer none, γ = 0: verify over K = 1 row, greedy verdict (and the finiteness check of the logits).
   γ = 3    an MTP head of the shipped weights' kind (one attention layer of the model's shape, eh_proj 2D -> D,
-           the model's lm_head): 3 drafts (the head's logits 3 times, its layer twice), verify over K = 4 rows,
-           greedy verdict, commit_state (every row committing: the worst case, which the kernel bench times), the
-           head's catch-up over the K rows and the head_out gather.
+           the model's lm_head): 3 drafts (its MLP half at the last accepted row, its logits 3 times, its layer
+           twice), verify over K = 4 rows, greedy verdict, commit_state (every row committing: the worst case,
+           which the kernel bench times), the head's catch-up over the K rows (its input and its attention half)
+           and the head_mid gather.
 The Granite 4.0-H checkpoints ship no MTP head; the γ = 3 column prices one. Speedup = tau * t_plain / t_γ3:
 tau tokens per γ = 3 step (the acceptance the shipped weights' bench measures) against one per plain step.
 Launches are counted too: without CUDA graphs a launch costs a few us of host time, which a B = 1 step of a
@@ -115,18 +116,20 @@ def verify_items(cfg, B: int, K: int, ctx: int, act: int = 2) -> list:
     ]
 
 
-def mtp_forward_items(cfg, B: int, R: int, ctx: int, act: int, calls: int) -> list:
-    """HybridLM.mtp_forward over R rows per sequence: the head's input, then its one attention layer."""
+def mtp_items(cfg, B: int, R: int, ctx: int, act: int, calls: int, part: str) -> list:
+    """The MTP head over R rows per sequence, `part` of it: "forward" (HybridLM.mtp_forward: its input, then its
+    one layer), "attention" (mtp_attention, a catch-up: its input and the layer's attention half, which writes the
+    K/V rows) or "mlp" (mtp_mlp: the layer's MLP half, its input norm again)."""
     rows, D = B * R, cfg.hidden_size
-    return [
-        Item("mtp embedding, cat", calls, rows * 8 + 6 * rows * D * act, 2, "torch"),
-        Item("mtp rmsnorm", 3 * calls, total(rmsnorm_bytes(rows, D, act, False))),  # enorm, hnorm, input norm
-        *linear("mtp eh_proj", calls, rows, 2 * D, D, act),
-        *attention(cfg, B, R, ctx, act, calls, "mtp "),
-        Item("mtp rmsnorm+residual", calls, total(rmsnorm_bytes(rows, D, act, True))),
-        *mlp(cfg, rows, act, calls, "mtp "),
-        Item("mtp h + rm * mlp", calls, 5 * rows * D * act, 2, "torch"),
-    ]
+    attention_half = [Item("mtp embedding, cat", calls, rows * 8 + 6 * rows * D * act, 2, "torch"),
+                      Item("mtp rmsnorm", 3 * calls, total(rmsnorm_bytes(rows, D, act, False))),  # enorm, hnorm, input
+                      *linear("mtp eh_proj", calls, rows, 2 * D, D, act),
+                      *attention(cfg, B, R, ctx, act, calls, "mtp "),
+                      Item("mtp rmsnorm+residual", calls, total(rmsnorm_bytes(rows, D, act, True)))]
+    mlp_half = [*mlp(cfg, rows, act, calls, "mtp "), Item("mtp h + rm * mlp", calls, 5 * rows * D * act, 2, "torch")]
+    if part == "mlp":
+        return [Item("mtp post-attention rmsnorm", calls, total(rmsnorm_bytes(rows, D, act, False))), *mlp_half]
+    return attention_half + (mlp_half if part == "forward" else [])
 
 
 def mtp_logits_items(cfg, B: int, act: int, calls: int) -> list:
@@ -143,10 +146,11 @@ def step_items(cfg, B: int, gamma: int, ctx: int, act: int = 2) -> dict:
     phases = {"verify": verify_items(cfg, B, K, ctx, act)}
     if gamma:
         H, P, N, W = cfg.mamba_n_heads, cfg.mamba_d_head, cfg.mamba_d_state, cfg.mamba_d_conv
-        phases["propose"] = mtp_logits_items(cfg, B, act, gamma) + mtp_forward_items(cfg, B, 1, ctx, act, gamma - 1)
+        phases["propose"] = (mtp_items(cfg, B, 1, ctx, act, 1, "mlp") + mtp_logits_items(cfg, B, act, gamma) +
+                             mtp_items(cfg, B, 1, ctx, act, gamma - 1, "forward"))
         phases["commit"] = [Item("commit_state", 1, total(commit_state_bytes(len(cfg.mamba_layers), B, K, H, P, N,
                                                                              cfg.conv_dim, W, act)))]
-        phases["catch_up"] = (mtp_forward_items(cfg, B, K, ctx, act, 1) +
+        phases["catch_up"] = (mtp_items(cfg, B, K, ctx, act, 1, "attention") +
                               [Item("gather_rows", 1, total(gather_rows_bytes(B, cfg.hidden_size, act)))])
     return phases
 
