@@ -269,7 +269,7 @@ class HybridLM(nn.Module):
     # the head's output at one row a sequence, the last accepted. So the layer runs in two halves: the catch-up
     # (mtp_prefill, mtp_attention) stops after the attention and keeps the residual; the MLP half (mtp_mlp), 2/3
     # of the layer's weights, runs at that one row when a draft grows from it. Where products cost by the row
-    # (8 sequences on a CPU: docs/BENCHMARKS.md, "Batch 8"), that saves K - 1 rows of it a step.
+    # (8 sequences on a CPU), that saves K - 1 rows of it a step (docs/BENCHMARKS.md, "The MTP head in two halves").
     def _mtp_in(self, next_ids, h):
         """The head's input: x = eh_proj([enorm(E next_ids), hnorm(h)]) (..., D), the residual its layer starts from."""
         eps, mtp = self.cfg.rms_norm_eps, self.mtp
