@@ -54,6 +54,10 @@ def test_compiled_tokens_equal_eager(ckpt, proposer, gamma):
     cases += [] if gamma == "auto" else [(PROMPTS, SAMPLED), (PROMPTS, [SAMPLED, FILTERED] * 2 + [FILTERED])]
     for prompts, params in cases:
         assert tokens(compiled, prompts, params) == tokens(eager, prompts, params), (proposer, len(prompts), params)
+        # every graph called again ran bound (its inputs gathered once), checked against what dynamo gathers
+        graph = compiled.runner.graph
+        bound = [b.inputs is not None for k, b in graph.compiled.graphs.items() if graph.calls[k] > 1]
+        assert bound and all(bound), bound
         if gamma == "auto" and params is GREEDY and len(prompts) == 1:
             # the planner learns every eager step's time, and no time of a step that compiled a graph
             assert sum(eager.planner.hist.values()) == eager.scheduler.steps
@@ -111,6 +115,26 @@ def test_a_made_graph_runs_by_its_key():
         compiled("once", x, double=True)
     with pytest.raises(RuntimeError, match="names a graph made for other inputs"):
         compiled("once", torch.randn(5, 4), double=False)
+
+
+@torch.no_grad()
+def test_a_bound_graph_takes_new_arguments_and_its_check_sees_a_moved_buffer():
+    """From its second call a made graph runs bound (graph.Bound): a new tensor argument takes the recorded one's
+    place. It reads the buffers it recorded, so a module attribute replaced by another tensor (a buffer that moved,
+    which a step function never does) goes unseen by the bound graph; check_guards compares the bound inputs with
+    those dynamo's code gathers, and raises."""
+    m, x, y = Scale(), torch.randn(3, 4), torch.randn(3, 4)
+    compiled = Compiled(m.forward)
+    for _ in range(2):  # made, then bound
+        assert torch.equal(compiled("k", x, double=False), m(x, double=False))
+    assert compiled.graphs["k"].inputs is not None
+    assert torch.equal(compiled("k", y, double=False), m(y, double=False))
+    w = m.w
+    m.w = torch.nn.Parameter(torch.randn(4), requires_grad=False)
+    assert torch.equal(compiled("k", y, double=False), y * w)  # the recorded w, not m's
+    compiled.check_guards = True
+    with pytest.raises(RuntimeError, match="not those dynamo's code gathers"):
+        compiled("k", y, double=False)
 
 
 def test_buckets():

@@ -236,3 +236,20 @@ def test_bad_requests(ckpt):
     assert not llm.scheduler.has_work()
     out = llm.generate("x", SamplingParams(max_new_tokens=100, ignore_eos=True))[0]
     assert out.finish_reason == "length" and len(llm.tokenizer.encode("x")) + len(out.token_ids) == 16
+
+
+def test_a_step_reads_its_batch_not_every_request(ckpt, monkeypatch):
+    """A step's host work follows the batch, not the requests of the call: a generate of 48 prompts at batch 2
+    asks a sequence whether it has finished as often per step as one of 6 (the call learns of a finished request
+    from the scheduler, rather than asking each of its requests after every step)."""
+    from nano_spec.engine import scheduler
+
+    asked, finished = [0], scheduler.Sequence.finished
+    monkeypatch.setattr(scheduler.Sequence, "finished", property(lambda s: asked.append(1) or finished.fget(s)))
+    llm, per_step = LLM(ckpt, proposer="none", max_batch=2), []
+    for n in (6, 48):
+        asked[:], steps = [], llm.scheduler.steps
+        outs = llm.generate(["a b"] * n, SamplingParams(max_new_tokens=3, ignore_eos=True))
+        assert [len(o.token_ids) for o in outs] == [3] * n
+        per_step.append(len(asked) / (llm.scheduler.steps - steps))
+    assert per_step[1] < 1.5 * per_step[0], per_step

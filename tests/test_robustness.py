@@ -326,6 +326,24 @@ def test_incremental_decoding_equals_full_decoding(ckpt):
         pieces = [dec.add(t) for t in ids]
         assert dec.full_text() == tok.decode(ids)
         assert "".join(pieces) == dec.text and tok.decode(ids).startswith(dec.text)
+        pushed, read = IncrementalDecoder(tok), IncrementalDecoder(tok)  # tokens pushed, read now and then; never
+        for i, t in enumerate(ids):
+            pushed.push(t)
+            read.push(t)
+            if i % 3 == 2:  # read after every third: the text add() had made by then
+                assert read.text == "".join(pieces[: i + 1])
+        assert read.text == dec.text and pushed.full_text() == tok.decode(ids)
+
+
+def test_a_request_no_one_reads_is_decoded_once(ckpt, monkeypatch):
+    """Without a stop string or a stream, a step only appends a request's tokens: its text is decoded once, when
+    the output is made (one window and its context), and equals the decode of all its tokens."""
+    llm = LLM(ckpt, proposer="mtp", num_drafts=3)
+    real, calls = llm.tokenizer.decode, []
+    monkeypatch.setattr(llm.tokenizer, "decode", lambda ids: calls.append(1) or real(ids))
+    out = llm.generate(PROMPTS[0], SamplingParams(max_new_tokens=40, ignore_eos=True))[0]
+    assert len(out.token_ids) == 40 and len(calls) <= 2, len(calls)
+    assert out.text == real(out.token_ids)
 
 
 def test_stop_strings_do_not_redecode_the_whole_output(ckpt, monkeypatch):

@@ -132,7 +132,8 @@ class LLM:
 
     def _step_locked(self):
         focuses = list(self._callers.values())
-        report = self.scheduler.step(None if None in focuses else set().union(*focuses))
+        focus = None if None in focuses else focuses[0] if len(focuses) == 1 else set().union(*focuses)
+        report = self.scheduler.step(focus)
         if not (report.admitted or report.rows or report.failed):
             raise RuntimeError(f"engine step {report.index} made no progress ({len(self.scheduler.waiting)} waiting, "
                                f"{len(self.scheduler.running)} running, {len(self.scheduler.free_slots)} free slots)")
@@ -189,21 +190,24 @@ class LLM:
         plist = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"params: {len(plist)} SamplingParams for {len(prompts)} prompts")
+        ended, told = [], 0  # the requests' indices as they finish (appended under the lock); how many were told
         with self._locked():
             requests = [self._prepare(p, sp) for p, sp in zip(prompts, plist)]  # all validated before any is queued
             seqs = [self.scheduler.add(*r) for r in requests]
-        told = set()  # only these run (and those of callers in other threads): a stream nobody reads waits
+            for i, seq in enumerate(seqs):  # a step then costs the same however many requests wait
+                seq.on_finish = lambda _, i=i: ended.append(i)
 
         def finished():
-            for i in (i for i, s in enumerate(seqs) if s.finished and i not in told):
-                told.add(i)
+            nonlocal told
+            while told < len(ended):
+                i, told = ended[told], told + 1
                 if on_finish is not None:
                     with self._locked():
                         out = self._output(prompts[i], seqs[i])
                     on_finish(i, out)
 
-        try:
-            self._run(lambda: all(s.finished for s in seqs), {s.id for s in seqs}, finished)
+        try:  # only these run (and those of callers in other threads): a stream nobody reads waits
+            self._run(lambda: len(ended) == len(seqs), {s.id for s in seqs}, finished)
         finally:  # an interrupted call leaves nothing of its own running
             with self._locked():
                 for s in seqs:

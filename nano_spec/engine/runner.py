@@ -71,8 +71,11 @@ class ModelRunner:
         self.seq_lens = torch.zeros(num_slots, dtype=torch.long, device=self.device)  # (S,)
         self.last = torch.zeros(num_slots, dtype=torch.long, device=self.device)      # (S,) last emitted token
         self.sampling = BatchSampling.of([SamplingParams()] * num_slots, self.device)
-        self.no_drafts = Drafts(torch.zeros(num_slots, 0, dtype=torch.long, device=self.device),  # γ = 0 steps
-                                torch.zeros(num_slots, dtype=torch.long, device=self.device), None)
+        no_tokens, no_nd = (torch.zeros(num_slots, 0, dtype=torch.long, device=self.device),
+                            torch.zeros(num_slots, dtype=torch.long, device=self.device))
+        # no drafts for B rows, what a γ = 0 step and an admission verify: made once per B (a host op costs
+        # microseconds next to a step's graph, which has just pushed torch's code out of the CPU's caches)
+        self.no_drafts = [Drafts(no_tokens[:B], no_nd[:B], None) for B in range(num_slots + 1)]
 
     @torch.no_grad()
     def admit(self, seq) -> RowResult:
@@ -96,7 +99,7 @@ class ModelRunner:
         if self.max_drafts:
             with self.tel.phase("catch_up"):
                 self.drafter.admit(seq, hidden, first, tapped)
-        logits, emitted, none = logits[:, None], first[:, None], self._no_drafts(1)  # (1, 1, V), (1, 1)
+        logits, emitted, none = logits[:, None], first[:, None], self.no_drafts[1]  # (1, 1, V), (1, 1)
         return self._results(logits, emitted, pack(logits, emitted, none.nd, none), [seq])[0]
 
     @torch.no_grad()
@@ -111,7 +114,7 @@ class ModelRunner:
         in_step = gamma > 0 and self.device_drafter and not constrained  # the drafter drafts inside the step
         u_draft = self._uniforms(seqs, gamma, all_greedy)  # draw "drafts"
         u_verdict = self._uniforms(seqs, K, all_greedy)    # draw "verdict"
-        drafts, bitmask = self._no_drafts(B), None
+        drafts, bitmask = self.no_drafts[B], None
         if gamma and not in_step:
             with phase("propose"):
                 drafts = self.drafter.draft(seqs, gamma, u_draft)
@@ -175,9 +178,6 @@ class ModelRunner:
         return self.graph.seconds
 
     # ---- helpers -------------------------------------------------------------------
-    def _no_drafts(self, B: int) -> Drafts:
-        """No drafts for B rows: what a γ = 0 step and an admission verify."""
-        return Drafts(self.no_drafts.tokens[:B], self.no_drafts.nd[:B], None)
 
     def _uniforms(self, seqs, n: int, all_greedy: bool):
         """(B, n) uniforms, each row from its sequence's own generator (reproducible per request); None when

@@ -36,6 +36,7 @@ class Sequence:
     origins: list = field(default_factory=list)  # per generated token: prefill, draft, correction or bonus
     verify_steps: int = 0
     verified_tokens: int = 0         # Σ (na + 1) over its verify steps (tau = verified_tokens / verify_steps)
+    on_finish: object = None         # called with the sequence once it has finished, under the engine's lock
 
     @property
     def seq_len(self) -> int:  # tokens whose effect is in the caches; tokens[-1] is emitted, not yet fed
@@ -125,8 +126,9 @@ class Scheduler:
         other sequences keep their place and slot and wait, unless none of focus can run (every slot is held by
         others): then all run, so that slots come free."""
         wanted = lambda s: focus is None or s.id in focus  # noqa: E731
-        for seq in [s for s in self.waiting if wanted(s)]:
-            if not self.free_slots:  # an admission that ends at once frees its slot again
+        while self.free_slots:  # an admission that ends at once frees its slot again
+            seq = next((s for s in self.waiting if wanted(s)), None)  # the queue is read only while a slot is free
+            if seq is None:
                 break
             self.waiting.remove(seq)
             self._admit(seq, report)
@@ -202,7 +204,7 @@ class Scheduler:
     def _emit(self, seq: Sequence, token: int, logprob, origin: str):
         seq.tokens.append(token)
         seq.origins.append(origin)
-        new_text = seq.decoder.add(token)
+        new_text = seq.decoder.add(token) if seq.params.stop else seq.decoder.push(token)  # only a stop reads it
         if seq.params.logprobs:
             seq.logprobs.append(logprob)
         p, c = seq.params, seq.constraint
@@ -212,7 +214,7 @@ class Scheduler:
               or (new_text and p.stop and self._cut_at_stop(seq, len(new_text)))  # before the grammar's end: cut
               or (c is not None and c.stopped)):  # the grammar is complete: only EOS could follow
             seq.finish_reason = "stop"
-        elif len(seq.generated) >= p.max_new_tokens or len(seq.tokens) >= self.max_seq_len:
+        elif len(seq.tokens) - seq.prompt_len >= p.max_new_tokens or len(seq.tokens) >= self.max_seq_len:
             seq.finish_reason = "length"
 
     def _cut_at_stop(self, seq: Sequence, n_new: int) -> bool:
@@ -226,10 +228,14 @@ class Scheduler:
         return bool(hits)
 
     def _release(self, seqs: list):
+        """Every sequence that finishes passes here: its slot is freed and its on_finish called, once."""
         for seq in seqs:
             if seq.finished and seq.slot is not None:
                 self.free_slots.append(seq.slot)
                 seq.slot = None
+            if seq.finished and seq.on_finish is not None:
+                seq.on_finish, tell = None, seq.on_finish
+                tell(seq)
         self.running = [s for s in self.running if not s.finished]
 
     def output_text(self, seq: Sequence) -> str:

@@ -94,27 +94,53 @@ class IncrementalDecoder:
     `text` holds only complete characters: a token that ends inside a multi-byte character waits for
     the token that completes it. A U+FFFD in the text itself, or bytes no later token could complete, are
     complete characters and do not wait. `full_text()` is what decoding all ids at once gives.
+
+    Tokens are decoded when their text is read (`add`, `text`), one window per token in order, so the text is the
+    same whenever it is read; `push` only appends. A request that no one reads until it ends (no stop string, no
+    stream) is decoded once, by `full_text()`, instead of twice per token inside the engine's step loop.
     """
 
     def __init__(self, tok: Tokenizer):
-        self.tok, self.ids, self.text = tok, [], ""
+        self.tok, self.ids, self._text = tok, [], ""
         self.start = self.done = 0  # ids[start:done]: context already turned into text
+        self.read = 0  # ids[:read] have been through _decode_one
+
+    def push(self, token: int):
+        """Append one token, decoded when the text is next read."""
+        self.ids.append(token)
 
     def add(self, token: int) -> str:
-        """Append one token; returns the text it completes ('' while a character is unfinished)."""
-        self.ids.append(token)
+        """Append one token; returns the text it completes ('' while a character is unfinished), with that of
+        tokens pushed before it."""
+        self.push(token)
+        return self._decode_pushed()
+
+    @property
+    def text(self) -> str:
+        self._decode_pushed()
+        return self._text
+
+    def _decode_pushed(self) -> str:
+        new = ""
+        while self.read < len(self.ids):
+            self.read += 1
+            new += self._decode_one()
+        return new
+
+    def _decode_one(self) -> str:
+        """The text ids[read - 1] completes, with its window's context."""
         before = self.tok.decode(self.ids[self.start : self.done])
-        after = self.tok.decode(self.ids[self.start :])
+        after = self.tok.decode(self.ids[self.start : self.read])
         if not after.startswith(before) or (after.endswith("\ufffd") and self._unfinished()):
             return ""
         new = after[len(before) :]
-        self.start, self.done = self.done, len(self.ids)
-        self.text += new
+        self.start, self.done = self.done, self.read
+        self._text += new
         return new
 
     def _unfinished(self) -> bool:
         """The decoded window ends in U+FFFD: the start of a UTF-8 character more bytes could finish, or a real one?"""
-        data = self.tok.token_bytes(self.ids[self.start :])
+        data = self.tok.token_bytes(self.ids[self.start : self.read])
         if data is None:  # not byte-level: wait, as before
             return True
         decoder = codecs.getincrementaldecoder("utf-8")("replace")
@@ -123,4 +149,4 @@ class IncrementalDecoder:
 
     def full_text(self) -> str:
         before = self.tok.decode(self.ids[self.start : self.done])
-        return self.text + self.tok.decode(self.ids[self.start :])[len(before) :]
+        return self._text + self.tok.decode(self.ids[self.start :])[len(before) :]
