@@ -178,7 +178,6 @@ class ModelRunner:
         return self.graph.seconds
 
     # ---- helpers -------------------------------------------------------------------
-
     def _uniforms(self, seqs, n: int, all_greedy: bool):
         """(B, n) uniforms, each row from its sequence's own generator (reproducible per request); None when
         every row is greedy or n is 0."""
