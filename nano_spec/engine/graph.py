@@ -63,8 +63,8 @@ class Compiled:
     graph, made (compiled, or loaded from inductor's cache) on key's first call. Later calls skip dynamo's entry
     (frame evaluation, the search of fn's graphs, their guards: ~0.4 ms of a plain step of the shipped weights)
     and, once the graph is bound (Bound), dynamo's code for it too. So the key must name all the graph was made for
-    (StepGraph's bucket); `check_guards` (the tests) runs the guards and raises where they fail, and checks a bound
-    graph's inputs against those dynamo's code gathers.
+    (StepGraph's bucket); `check_guards` (the tests) runs the guards and raises where they fail, and checks what a
+    bound graph's call would hand the graph and return against dynamo's code.
       - fn runs over its own code object (own_code), where dynamo keeps its graphs: an engine's graphs are its own.
       - The weights are fixed for an engine's life, so the guards skip the modules' attributes (checking every
         parameter cost ~0.3 ms a call), and the graph's code does not assert its inputs' sizes and strides
@@ -161,16 +161,21 @@ class Bound:
         return self.outs
 
     def _bind(self, args, kwargs, flat):
-        """Dynamo's code, recorded: bound from the first time; then (check) the bound inputs checked against it."""
+        """Dynamo's code, recorded: bound from the first time; then (check) what the bound call would hand the graph
+        and return, checked against it."""
         if self.probe is None:
             return self.run(*args, **kwargs)
         self.calls = []
         result = self.probe(*args, **kwargs)
         inputs = self.calls[0] if len(self.calls) == 1 else None
-        if inputs is not None and self.inputs is not None:
+        if inputs is not None and self.inputs is not None:  # check: what the bound call would hand and return
             places = dict(self.places)
-            if any(x is not (flat[places[i]] if i in places else self.inputs[i]) for i, x in enumerate(inputs)):
+            handed = [flat[places[i]] if i in places else x for i, x in enumerate(self.inputs)]
+            picked = [self.outs[k] for k in ([self.picks] if isinstance(self.picks, int) else self.picks)]
+            if len(handed) != len(inputs) or any(x is not y for x, y in zip(handed, inputs)):
                 raise RuntimeError("compiled: a bound graph's inputs are not those dynamo's code gathers")
+            if any(x is not y for x, y in zip(picked, result if isinstance(result, tuple) else (result,))):
+                raise RuntimeError("compiled: a bound graph's outputs are not those dynamo's code returns")
         elif inputs is not None and isinstance(result, (tuple, torch.Tensor)) and \
                 all(isinstance(x, torch.Tensor) for x in inputs):
             picks = [next((k for k, o in enumerate(self.outs) if o is r), None)
