@@ -244,7 +244,7 @@ def test_a_step_reads_its_batch_not_every_request(ckpt, monkeypatch):
     from the scheduler, rather than asking each of its requests after every step)."""
     from nano_spec.engine import scheduler
 
-    asked, finished = [0], scheduler.Sequence.finished
+    asked, finished = [], scheduler.Sequence.finished
     monkeypatch.setattr(scheduler.Sequence, "finished", property(lambda s: asked.append(1) or finished.fget(s)))
     llm, per_step = LLM(ckpt, proposer="none", max_batch=2), []
     for n in (6, 48):

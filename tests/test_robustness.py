@@ -326,7 +326,7 @@ def test_incremental_decoding_equals_full_decoding(ckpt):
         pieces = [dec.add(t) for t in ids]
         assert dec.full_text() == tok.decode(ids)
         assert "".join(pieces) == dec.text and tok.decode(ids).startswith(dec.text)
-        pushed, read = IncrementalDecoder(tok), IncrementalDecoder(tok)  # tokens pushed, read now and then; never
+        pushed, read = IncrementalDecoder(tok), IncrementalDecoder(tok)  # read: every third token; pushed: at the end
         for i, t in enumerate(ids):
             pushed.push(t)
             read.push(t)
