@@ -137,6 +137,33 @@ def test_a_bound_graph_takes_new_arguments_and_its_check_sees_a_moved_buffer():
         compiled("k", y, double=False)
 
 
+class Writes:
+    """A forward that keeps its output on the object: dynamo replays the write after its graph."""
+    def forward(self, x):
+        self.last = x * 2
+        return self.last
+
+
+class Keyed(torch.nn.Module):
+    def forward(self, x):
+        return {"y": x * 2}
+
+
+@torch.no_grad()
+def test_a_graph_the_recording_cannot_describe_keeps_dynamos_code():
+    """graph.Bound calls a graph alone only where dynamo's code does nothing else: a forward whose code writes an
+    attribute after its graph keeps dynamo's code, so every call writes it; one that returns a dict is tried once,
+    then left to dynamo's code."""
+    m, keyed = Writes(), Compiled(Keyed().forward)
+    compiled = Compiled(m.forward)
+    for _ in range(4):
+        x = torch.randn(3)
+        assert torch.equal(compiled("k", x), x * 2) and torch.equal(m.last, x * 2)
+        assert torch.equal(keyed("k", x)["y"], x * 2)
+    assert compiled.graphs["k"].graph is None
+    assert keyed.graphs["k"].inputs is None and keyed.graphs["k"].probe is None
+
+
 def test_buckets():
     assert [bucket(b, 1, 6) for b in range(1, 7)] == [1, 2, 4, 4, 6, 6]
     assert [bucket(n, 128, 300) for n in (1, 128, 129, 257)] == [128, 128, 256, 300]

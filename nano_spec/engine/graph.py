@@ -114,6 +114,14 @@ class Compiled:
         return Bound(f, entry.code, self.fn.__self__, entry.guard_manager)
 
 
+# What dynamo's code may do after calling its graph for Bound to call the graph alone: pick and pack its outputs
+# (Python 3.11 to 3.13's opcodes for it). A side effect replayed (an attribute written, a method called) is not here.
+AFTER_THE_GRAPH = {"LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_FAST_LOAD_FAST", "LOAD_FAST_AND_CLEAR", "STORE_FAST",
+                   "STORE_FAST_LOAD_FAST", "STORE_FAST_STORE_FAST", "DELETE_FAST", "LOAD_CONST", "BINARY_SUBSCR",
+                   "BUILD_TUPLE", "BUILD_LIST", "LIST_EXTEND", "SWAP", "COPY", "POP_TOP", "NOP", "CACHE",
+                   "RETURN_VALUE", "RETURN_CONST"}
+
+
 class Bound:
     """A made graph, called with its inputs gathered once. Dynamo's code for a graph reads the graph's inputs out of
     the call's arguments and the instance's attributes on every call (the shipped weights' plain step: 100 tensors,
@@ -123,15 +131,16 @@ class Bound:
     recorded inputs with the call's tensor arguments in their places, and return the outputs dynamo's code did.
     A call whose other arguments are not the recorded ones (the same object, or an equal int, float, bool or str)
     runs dynamo's code, as does every call of a graph the recording cannot describe: dynamo's code calls more than
-    one graph, writes to Python objects after it (a side effect replayed), returns what the graph did not, or hands
-    it something other than tensors."""
+    one graph, does more after it than pick its outputs (a side effect replayed), returns what the graph did not,
+    or hands it something other than tensors."""
 
     def __init__(self, f, code, instance, guards):
         self.run, self.guards = types.MethodType(with_code(f, code), instance), guards
         names = [n for n in code.co_names if n.startswith("__compiled_fn")]  # the globals dynamo keeps its graphs in
-        writes = any(i.opname in ("STORE_ATTR", "STORE_SUBSCR", "STORE_GLOBAL", "DELETE_ATTR", "DELETE_SUBSCR",
-                                  "DELETE_GLOBAL") for i in dis.get_instructions(code))
-        self.graph = f.__globals__.get(names[0]) if len(names) == 1 and not writes else None
+        ops = list(dis.get_instructions(code))  # dynamo's code keeps its graph's outputs in graph_out_0
+        out = next((k for k, i in enumerate(ops) if i.opname == "STORE_FAST" and i.argval == "graph_out_0"), None)
+        pure = out is not None and all(i.opname in AFTER_THE_GRAPH for i in ops[out + 1:])  # no side effect after it
+        self.graph = f.__globals__.get(names[0]) if len(names) == 1 and pure else None
         self.probe = None if self.graph is None else \
             types.MethodType(with_code(f, code, {**f.__globals__, names[0]: self._record}), instance)
         self.inputs = self.places = self.others = self.picks = self.width = self.keys = None  # _bind sets them
@@ -186,6 +195,8 @@ class Bound:
                 self.places = [(i, where[id(x)]) for i, x in enumerate(inputs) if id(x) in where]
                 self.others = [(j, a) for j, a in enumerate(flat) if not isinstance(a, torch.Tensor)]
                 self.width, self.keys = len(flat), tuple(kwargs)
+        if self.inputs is None:  # the recording could not describe the graph: dynamo's code from now on
+            self.probe = None
         self.calls, self.outs = [], None
         return result
 
