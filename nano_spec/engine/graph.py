@@ -143,7 +143,9 @@ class Bound:
         self.graph = f.__globals__.get(names[0]) if len(names) == 1 and pure else None
         self.probe = None if self.graph is None else \
             types.MethodType(with_code(f, code, {**f.__globals__, names[0]: self._record}), instance)
-        self.inputs = self.places = self.others = self.picks = self.width = self.keys = None  # _bind sets them
+        # set by _bind: the recorded inputs, the places of the call's tensors among them, the other arguments, the
+        # returned outputs' places among the graph's (and whether they came as a tuple), the arguments' shape
+        self.inputs = self.places = self.others = self.picks = self.tuple = self.width = self.keys = None
         self.calls, self.outs = [], None
 
     def __call__(self, args, kwargs, check: bool = False):
@@ -161,8 +163,12 @@ class Bound:
             if not isinstance(x := flat[j], torch.Tensor):
                 return self.run(*args, **kwargs)
             inputs[i] = x
-        out = self.graph(*inputs)
-        return out[self.picks] if isinstance(self.picks, int) else tuple(out[k] for k in self.picks)
+        return self._picked(self.graph(*inputs))
+
+    def _picked(self, outs):
+        """The graph's outputs as dynamo's code returned them: a tuple of some, or one."""
+        picked = tuple(outs[k] for k in self.picks)
+        return picked if self.tuple else picked[0]
 
     def _record(self, *inputs):
         self.calls.append(inputs)
@@ -180,18 +186,18 @@ class Bound:
         if inputs is not None and self.inputs is not None:  # check: what the bound call would hand and return
             places = dict(self.places)
             handed = [flat[places[i]] if i in places else x for i, x in enumerate(self.inputs)]
-            picked = [self.outs[k] for k in ([self.picks] if isinstance(self.picks, int) else self.picks)]
             if len(handed) != len(inputs) or any(x is not y for x, y in zip(handed, inputs)):
                 raise RuntimeError("compiled: a bound graph's inputs are not those dynamo's code gathers")
-            if any(x is not y for x, y in zip(picked, result if isinstance(result, tuple) else (result,))):
+            returned = result if self.tuple else (result,)
+            if len(returned) != len(self.picks) or any(self.outs[k] is not r for k, r in zip(self.picks, returned)):
                 raise RuntimeError("compiled: a bound graph's outputs are not those dynamo's code returns")
         elif inputs is not None and isinstance(result, (tuple, torch.Tensor)) and \
                 all(isinstance(x, torch.Tensor) for x in inputs):
             picks = [next((k for k, o in enumerate(self.outs) if o is r), None)
                      for r in (result if isinstance(result, tuple) else (result,))]
             where = {id(a): j for j, a in enumerate(flat) if isinstance(a, torch.Tensor)}
-            if None not in picks:  # a tuple's outputs by their places among the graph's, or one output's place
-                self.inputs, self.picks = tuple(inputs), picks if isinstance(result, tuple) else picks[0]
+            if None not in picks:  # the outputs dynamo's code returned, by their places among the graph's
+                self.inputs, self.picks, self.tuple = tuple(inputs), picks, isinstance(result, tuple)
                 self.places = [(i, where[id(x)]) for i, x in enumerate(inputs) if id(x) in where]
                 self.others = [(j, a) for j, a in enumerate(flat) if not isinstance(a, torch.Tensor)]
                 self.width, self.keys = len(flat), tuple(kwargs)

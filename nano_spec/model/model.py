@@ -298,6 +298,7 @@ class HybridLM(nn.Module):
         return self.mtp_mlp(r, y)
 
     def _mtp_cached(self, slot_ids, positions, k_cache, v_cache, kv_len):
+        """The head's attention through its KV cache, rows at positions[b] + r of slots slot_ids (B,)."""
         return lambda attn, y: self._attend(attn, y, k_cache[:, :kv_len], v_cache[:, :kv_len], slot_ids, positions)
 
     def mtp_logits(self, o):
