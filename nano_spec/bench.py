@@ -25,8 +25,8 @@ requests are sampled, and outputs are not compared. A checkpoint without an MTP 
     floor ms = the matmuls that read a weight in the device steps of one pass of the eager engine of the same
         configuration, recorded with their own tensors and replayed alone (the same aten calls, so the same
         GEMM path and weight layout), per engine step: what the steps would cost if they were only their matmuls;
-        for a compiled engine that packs its weights, the products of few rows replayed in its C instead
-        (nano_spec/bench_floor.py)
+        for a compiled engine that packs its weights, the products of few rows replayed in its C instead, over
+        bf16 copies for the drafter's (nano_spec/bench_floor.py)
     overhead = step ms / floor ms
 """
 import argparse

@@ -138,12 +138,17 @@ def test_bench_floor_records_every_weight_a_step_reads(ckpt):
             n for n in linears if n.endswith(("q_proj", "k_proj", "v_proj"))}  # fused into qkv for inference
         ptrs = {w.data_ptr(): n for n, w in linears.items()}
         ids = [engine.llm.tokenizer.encode("def f(x):")]
-        calls, steps = record(engine.llm, lambda: engine.generate(ids, 6))
-        seen = {ptrs[a.data_ptr()] for _, args, _ in calls for a in args
-                if isinstance(a, torch.Tensor) and a.data_ptr() in ptrs}
+        calls, drafted, steps = record(engine.llm, lambda: engine.generate(ids, 6))
+        read = [{ptrs[a.data_ptr()] for a in args if isinstance(a, torch.Tensor) and a.data_ptr() in ptrs}
+                for _, args, _ in calls]
         floors = matmul_floor_ms(engine.llm, lambda: engine.generate(ids, 6))
         assert steps == engine.llm.stats["verify_steps"] and floors["aten"] > 0 and floors["rows"] > 0
-        assert seen == want, (proposer, seen ^ want)
+        assert set().union(*read) == want, (proposer, set().union(*read) ^ want)
+        # the drafter's calls (replayed over bf16 copies) read its head's weights and the output layer, no other
+        by_drafts = set().union(*(r for i, r in enumerate(read) if i in drafted))
+        head = {n for n in want if n.startswith("mtp")}
+        assert by_drafts == (head | ({"embed_tokens"} if m.lm_head is None else {"lm_head"}) if head else set())
+        assert not head & set().union(*(r for i, r in enumerate(read) if i not in drafted))
 
 
 def test_bench_samples_requests(ckpt, tmp_path, capsys):

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from helpers import assert_close, assert_unchanged, tiny_model
-from nano_spec.model.cpu_rows import (HUGE_PAGE, ROWS_MAX, RowsLinear, commit_state, kv_write, linear,
+from nano_spec.model.cpu_rows import (DRAFT_ROWS_MAX, HUGE_PAGE, ROWS_MAX, RowsLinear, commit_state, kv_write, linear,
                                       mamba_write, on_huge_pages, pack_linears, pack_rows, rows_mm)
 from nano_spec.model.graph_ops import mamba_verify
 from nano_spec_kernels.mamba_verify import mamba_verify_ref
@@ -126,6 +126,26 @@ def test_the_library_is_built_whole_into_its_cache(tmp_path, monkeypatch):
     assert list((tmp_path / "nano_spec").iterdir()) == [path]
 
 
+def test_a_compiler_without_openmp_builds_the_library_serial(tmp_path, monkeypatch):
+    """A compiler that refuses -fopenmp still builds the library, once, without it (rows_mm then runs its blocks
+    on one thread)."""
+    import shutil
+
+    from nano_spec.model.cpu_rows import OPENMP, build
+
+    calls = tmp_path / "calls"
+    cxx = tmp_path / "cxx-without-openmp"
+    cxx.write_text(f'#!/bin/sh\necho "$*" >> {calls}\ncase " $* " in *" {OPENMP} "*) exit 1;; esac\n'
+                   f'exec {shutil.which("c++") or shutil.which("g++")} "$@"\n')
+    cxx.chmod(0o755)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("CXX", str(cxx))
+    path = build()
+    tried = calls.read_text().splitlines()
+    assert len(tried) == 2 and OPENMP in tried[0].split() and OPENMP not in tried[1].split()
+    assert path.exists() and build() == path and len(calls.read_text().splitlines()) == 2
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_kv_write_equals_indexing(dtype):
     """The K rows land where torch's indexed write puts them, bit for bit, and nothing else moves, in caches cut to
@@ -178,21 +198,37 @@ ROWS_CASES = [  # (M, N, K): rows, output columns, inputs
 ]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("shape", [c[1] for c in ROWS_CASES], ids=[c[0] for c in ROWS_CASES])
-def test_rows_mm_matches_float64(shape):
+def test_rows_mm_matches_float64(shape, dtype):
+    """Against float64 over the weight as packed: a bf16 copy is the weight rounded to bf16, its sums fp32."""
     M, N, K = shape
     w, x = torch.randn(N, K), torch.randn(M, K)
-    out = rows_mm(x, pack_rows(w.t().contiguous().t()), N)  # the engine's input-major layout packs alike
-    assert_close("y", x.double() @ w.double().t(), out, atol=1e-5)
+    out = rows_mm(x, pack_rows(w.t().contiguous().t(), dtype), N)  # the engine's input-major layout packs alike
+    assert_close("y", x.double() @ w.to(dtype).double().t(), out, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("M", [2, 4, 5, ROWS_MAX], ids=lambda m: f"M{m}")
-def test_a_row_comes_out_the_same_in_any_call(M):
+def test_a_row_comes_out_the_same_in_any_call(M, dtype):
     """Row m of an M-row call is its 1-row call's, bit for bit (spec = plain within the compiled mode)."""
     w, x = torch.randn(70, 40), torch.randn(M, 40)
-    packed = pack_rows(w)
+    packed = pack_rows(w, dtype)
     one_by_one = torch.cat([rows_mm(x[m:m + 1], packed, 70) for m in range(M)])
     assert_unchanged("rows of one call against 1-row calls", one_by_one, rows_mm(x, packed, 70))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_threads_share_the_blocks_and_change_no_sum(dtype):
+    """rows_mm over two threads (19 blocks of columns shared out) gives the one-thread product bit for bit."""
+    w, x = torch.randn(600, 40), torch.randn(3, 40)
+    packed = pack_rows(w, dtype)
+    one = rows_mm(x, packed, 600)
+    torch.set_num_threads(2)
+    try:
+        assert_unchanged("two threads against one", one, rows_mm(x, packed, 600))
+    finally:
+        torch.set_num_threads(1)
 
 
 def test_rows_mm_refuses_what_does_not_fit():
@@ -200,6 +236,10 @@ def test_rows_mm_refuses_what_does_not_fit():
     for x, n in ((torch.randn(2, 5), 8), (torch.randn(2, 6).bfloat16(), 8), (torch.randn(2, 6), 8 + 32)):
         with pytest.raises(ValueError, match="rows_mm: x"):
             rows_mm(x, packed, n)
+    with pytest.raises(ValueError, match="rows_mm: x"):
+        rows_mm(torch.randn(2, 6), packed.half(), 8)
+    with pytest.raises(ValueError, match="pack_rows: dtype"):
+        pack_rows(torch.randn(8, 6), torch.float16)
 
 
 def test_linear_leaves_many_rows_and_more_threads_to_aten():
@@ -212,6 +252,23 @@ def test_linear_leaves_many_rows_and_more_threads_to_aten():
     torch.set_num_threads(2)
     try:
         assert_unchanged("two threads: ATen", F.linear(few, w, b), linear(few, w, b, packed))
+    finally:
+        torch.set_num_threads(1)
+
+
+def test_a_bf16_copy_reads_its_weight_at_bf16_in_every_call():
+    """A drafter's bf16 copy: a step's rows (here 18, more than ROWS_MAX) in rows_mm at any thread count, a prompt's
+    through ATen over the weight rounded to bf16, so each call computes the product by the rounded weight."""
+    w, b = torch.randn(24, 16), torch.randn(24)
+    packed, rounded, few, many = pack_rows(w, torch.bfloat16), w.bfloat16().float(), torch.randn(2, 9, 16), \
+        torch.randn(DRAFT_ROWS_MAX + 1, 16)
+    in_c = rows_mm(few.reshape(18, 16), packed, 24).view(2, 9, 24) + b
+    assert_unchanged("few rows: rows_mm", in_c, linear(few, w, b, packed))
+    assert_close("few rows: the rounded weight", F.linear(few, rounded, b), in_c, atol=1e-5)
+    assert_unchanged("many rows: ATen over the rounded weight", F.linear(many, rounded, b), linear(many, w, b, packed))
+    torch.set_num_threads(2)
+    try:
+        assert_unchanged("two threads: still rows_mm", in_c, linear(few, w, b, packed))
     finally:
         torch.set_num_threads(1)
 
@@ -285,3 +342,39 @@ def test_pack_linears_keeps_the_weights_and_computes_what_aten_does(tied):
     half = tiny_model().bfloat16()
     pack_linears(half)
     assert not any(isinstance(m, RowsLinear) for m in half.modules()) and half.head_packed is None
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied-head", "own-head"])
+def test_a_drafters_weights_pack_in_bf16_beside_the_targets_fp32(tied):
+    """A compiled step's packing with an MTP drafter: the target's weights (skipping the head's layer) in fp32,
+    the head's layer and the drafts' output layer (DraftHead) in bf16. The target's logits are its own; the draft
+    logits are the model's with every weight the drafts read rounded to bf16."""
+    from nano_spec.model.model import DraftHead
+
+    model = tiny_model(tie_word_embeddings=tied).for_inference()
+    head = DraftHead(model)
+    drafts = (model.mtp, head)
+    ids = torch.randint(0, model.cfg.vocab_size, (1, 5))
+    with torch.no_grad():
+        ref_target = model(ids)
+        o = torch.randn(3, model.cfg.hidden_size)
+        rounded = tiny_model(tie_word_embeddings=tied).for_inference()
+        for p in rounded.mtp.parameters():  # the head's products at bf16 (not its norms, nor the embedding lookup)
+            if p.dim() == 2:
+                p.copy_(p.bfloat16().float())
+        for m in rounded.mtp.modules():
+            if getattr(m, "qkv_weight", None) is not None:
+                m.fuse_qkv()
+        out_weight = (rounded.tied_head if tied else rounded.lm_head.weight).bfloat16().float()
+        x = torch.randint(0, model.cfg.vocab_size, (3, 1))
+        ref_draft = rounded.mtp_logits(rounded.mtp_hidden(x, o[:, None])[:, 0],
+                                       lambda y: F.linear(y, out_weight) / rounded.cfg.logits_scaling)
+        pack_linears(model, skip=drafts)
+        for net in drafts:
+            pack_linears(net, torch.bfloat16)
+        out_target, out_draft = model(ids), model.mtp_logits(model.mtp_hidden(x, o[:, None])[:, 0], head)
+    dtypes = {name: t.dtype for name, t in model.named_buffers() if "packed" in name}
+    assert dtypes and all(d == (torch.bfloat16 if n.startswith("mtp.") else torch.float32) for n, d in dtypes.items())
+    assert head.packed.dtype == torch.bfloat16 and (model.head_packed is not None) == tied
+    assert_close("target logits", ref_target, out_target, atol=1e-5)
+    assert_close("draft logits", ref_draft, out_draft, atol=1e-5)

@@ -5,6 +5,7 @@ import torch
 from nano_spec.drafters.base import DeviceDrafter, pick_in_order
 from nano_spec.model.dflash import DFlashConfig, DFlashModel
 from nano_spec.model.graph_ops import kv_write
+from nano_spec.model.model import DraftHead
 
 
 class DFlashDrafter(DeviceDrafter):
@@ -14,7 +15,8 @@ class DFlashDrafter(DeviceDrafter):
     def __init__(self, net: DFlashModel, target, max_drafts: int, num_slots: int, max_len: int):
         cfg, p = net.cfg, next(target.parameters())  # max_drafts <= Bk - 1: checked in settings
         self.net, self.target, self.max_drafts, self.device = net, target, max_drafts, p.device
-        self.nets = (net,)
+        self.head = DraftHead(target)
+        self.nets = (net, self.head)
         self.taps = tuple(cfg.target_layer_ids)  # the runner stashes these layers' rows for catch_up
         shape = (cfg.num_hidden_layers, num_slots, max_len, cfg.num_key_value_heads, cfg.head_dim)
         self.k = torch.zeros(shape, device=p.device, dtype=p.dtype)  # (Ld, S, L, Hkv, Dh), RoPE-rotated
@@ -56,5 +58,5 @@ class DFlashDrafter(DeviceDrafter):
         ids = torch.cat([self.last[slots, None], self.mask_row.expand(len(slots), -1)], dim=1)  # (B, Bk)
         x = self.target.model.embed_tokens(ids) * cfg.input_embedding_scale
         h = self.net.draft_hidden(x, slots, self.ctx_len[slots], self.k[:, :, :kv], self.v[:, :, :kv])
-        logits = self.target.logits(h[:, 1 : gamma + 1]) * (cfg.output_multiplier * self.target.cfg.logits_scaling)
+        logits = self.head(h[:, 1 : gamma + 1]) * (cfg.output_multiplier * self.target.cfg.logits_scaling)
         return pick_in_order(sampling, gamma, uniforms, lambda i, prev: logits[:, i], masks)

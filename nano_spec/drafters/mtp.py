@@ -4,6 +4,7 @@ second half, the MLP, there for draft 1, and γ-1 recursive steps give the rest.
 import torch
 
 from nano_spec.drafters.base import DeviceDrafter, Drafts, VerifiedRows, pick_in_order
+from nano_spec.model.model import DraftHead
 
 
 class MTPDrafter(DeviceDrafter):
@@ -13,6 +14,8 @@ class MTPDrafter(DeviceDrafter):
     def __init__(self, model, max_drafts: int, num_slots: int, max_len: int):
         cfg, p = model.cfg, next(model.parameters())
         self.model, self.max_drafts, self.device = model, max_drafts, p.device
+        self.head = DraftHead(model)
+        self.nets = (model.mtp, self.head)  # the head's layer inside the target, and the drafts' output layer
         self.k = torch.zeros(num_slots, max_len, cfg.num_key_value_heads, cfg.head_dim, device=p.device, dtype=p.dtype)
         self.v = torch.zeros_like(self.k)                                    # (S, L, Hkv, Dh)
         self.head_mid = torch.zeros(num_slots, cfg.hidden_size, device=p.device, dtype=p.dtype)  # (S, D)
@@ -45,6 +48,6 @@ class MTPDrafter(DeviceDrafter):
             nonlocal o
             if i:
                 o = self.model.mtp_forward(prev[:, None], o[:, None], slots, pos + i - 1, self.k, self.v, kv)[:, 0]
-            return self.model.mtp_logits(o)
+            return self.model.mtp_logits(o, self.head)
 
         return pick_in_order(sampling, gamma, uniforms, logits, masks)

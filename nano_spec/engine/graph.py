@@ -264,14 +264,16 @@ class StepGraph:
     label = "step"
 
     def __init__(self, fn, mode: str, ops, phase, num_slots: int, kv_max: int, per_bucket: int,
-                 template: bool = False, nets=()):
+                 template: bool = False, nets=(), drafts=()):
         """ops: the Ops fn runs, switched here to the forms a graph of this mode needs (model/graph_ops.py);
         phase(name): a context that times a part of the step; fn gets it when eager, and a graph's call is
         timed whole as "step";
         per_bucket: the graphs one (batch, KV) bucket may take (its static arguments' combinations);
         template: compiled, the weights' matmuls in inductor's C++ GEMM template (gemm_template);
-        nets: the networks fn runs; compiled without the template, their products of few rows run in C over packed
-        copies of their weights (cpu_rows.pack_linears), held beside the weights."""
+        nets, drafts: the networks fn runs, the target's and the drafter's; compiled without the template, their
+        products of few rows run in C over packed copies of their weights (cpu_rows.pack_linears), held beside the
+        weights: fp32 for the target, bf16 for the drafter (a draft only proposes: half the bytes to read, and
+        the verify's fp32 decides)."""
         if mode not in MODES:
             raise ValueError(f"mode: {mode!r} is not one of {MODES}")
         if mode != "eager":
@@ -286,7 +288,9 @@ class StepGraph:
         if mode == "compiled":
             self.compiled = Compiled(fn, self.template)
             for net in () if self.template else nets:
-                pack_linears(net)
+                pack_linears(net, skip=drafts)
+            for net in () if self.template else drafts:
+                pack_linears(net, torch.bfloat16)
 
     def __call__(self, *batched, kv_len: int, eager: bool = False, **static):
         B = batched[0].shape[0]

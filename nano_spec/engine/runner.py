@@ -64,7 +64,7 @@ class ModelRunner:
                                lambda name: self.tel.phase(name),  # looked up per call: a profiler may wrap it
                                num_slots, self.cache.k.shape[2], per_bucket=2 * (self.max_drafts + 1),
                                template=gemm_template(sum(p.numel() * p.element_size() for p in model.parameters())),
-                               nets=(self.model, *(drafter.nets if self.device_drafter else ())))
+                               nets=(self.model,), drafts=drafter.nets if self.device_drafter else ())
         self.generators = [None] * num_slots
         # per-slot device copies, written at admission and advanced on the device after each accept rule,
         # so a step uploads nothing but the batch's slot ids (and those only when the batch changes)

@@ -7,6 +7,7 @@
 #include <ATen/ops/linear.h>
 #include <torch/library.h>
 
+#include <cstdint>
 #include <cstring>
 
 using at::Tensor;
@@ -62,14 +63,30 @@ void mamba_rows(const float *decay, const float *u, const float *Bm, const float
 #define NB 16  // 16 vector registers (AVX2, NEON): MB rows' sums must still fit in them
 #endif
 #define MB 4   // rows per pass over a block
-typedef float half __attribute__((vector_size(NB * 2), aligned(4)));  // NB / 2 lanes, loaded unaligned
+typedef float half __attribute__((vector_size(NB * 2), aligned(4)));       // NB / 2 fp32 lanes, loaded unaligned
+typedef uint32_t pairs __attribute__((vector_size(NB * 2), aligned(4)));   // NB bf16 as NB / 2 pairs
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "a bf16 pair's first value is its low half");
+
+// A packed block's row k as two vectors of fp32 lanes: columns 0 .. NB/2-1 and NB/2 .. NB-1. An fp32 block holds
+// them in order; a bf16 block interleaves them (column j beside column j + NB/2), so one load gives both halves:
+// a bf16 value is the top half of its fp32, the low column shifted up, the high one masked.
+inline void load_row(const float *w, half &w0, half &w1) {
+  w0 = *(const half *)w;
+  w1 = *(const half *)(w + NB / 2);
+}
+inline void load_row(const uint16_t *w, half &w0, half &w1) {
+  pairs v = *(const pairs *)w, lo = v << 16, hi = v & 0xffff0000u;
+  std::memcpy(&w0, &lo, sizeof w0);
+  std::memcpy(&w1, &hi, sizeof w1);
+}
 
 // mb rows of x (mb, Kd) times one packed block w (Kd, NB) -> y (mb, n), n <= NB: each row's sums over k in order
-template <int mb>
-void rows_pass(const float *x, const float *w, float *y, int64_t Kd, int64_t N, int64_t n) {
+template <int mb, class W>
+void rows_pass(const float *x, const W *w, float *y, int64_t Kd, int64_t N, int64_t n) {
   half acc[mb][2] = {};
   for (int64_t k = 0; k < Kd; k++) {
-    half w0 = *(const half *)(w + k * NB), w1 = *(const half *)(w + k * NB + NB / 2);
+    half w0, w1;
+    load_row(w + k * NB, w0, w1);
     for (int m = 0; m < mb; m++) {
       float xm = x[m * Kd + k];
       acc[m][0] += xm * w0;
@@ -79,22 +96,27 @@ void rows_pass(const float *x, const float *w, float *y, int64_t Kd, int64_t N, 
   for (int m = 0; m < mb; m++) std::memcpy(y + m * N, acc[m], n * sizeof(float));  // the NB sums, cut to n
 }
 
-// y (M, N) = x (M, Kd) @ the packed weight (ceil(N / NB), Kd, NB); a block stays in cache across the row passes
-void rows_mm_loop(const float *x, const float *w, float *y, int64_t M, int64_t Kd, int64_t N) {
-  for (int64_t n0 = 0; n0 < N; n0 += NB) {
-    const float *block = w + n0 * Kd;
-    int64_t n = N - n0 < NB ? N - n0 : NB;
-    for (int64_t m0 = 0; m0 < M; m0 += MB) {
-      const float *xm = x + m0 * Kd;
-      float *ym = y + m0 * N + n0;
-      switch (M - m0 < MB ? M - m0 : MB) {  // constant row counts: the sums unrolled into registers
-        case 1: rows_pass<1>(xm, block, ym, Kd, N, n); break;
-        case 2: rows_pass<2>(xm, block, ym, Kd, N, n); break;
-        case 3: rows_pass<3>(xm, block, ym, Kd, N, n); break;
-        default: rows_pass<MB>(xm, block, ym, Kd, N, n);
+// y (M, N) = x (M, Kd) @ the packed weight (ceil(N / NB), Kd, NB); a block stays in cache across the row passes.
+// The blocks are shared out over torch's threads (one runs them all inline): a column's sums are the same whichever
+// thread makes them
+template <class W>
+void rows_mm_loop(const float *x, const W *w, float *y, int64_t M, int64_t Kd, int64_t N) {
+  at::parallel_for(0, (N + NB - 1) / NB, 1, [&](int64_t first, int64_t last) {
+    for (int64_t n0 = first * NB; n0 < N && n0 < last * NB; n0 += NB) {
+      const W *block = w + n0 * Kd;
+      int64_t n = N - n0 < NB ? N - n0 : NB;
+      for (int64_t m0 = 0; m0 < M; m0 += MB) {
+        const float *xm = x + m0 * Kd;
+        float *ym = y + m0 * N + n0;
+        switch (M - m0 < MB ? M - m0 : MB) {  // constant row counts: the sums unrolled into registers
+          case 1: rows_pass<1>(xm, block, ym, Kd, N, n); break;
+          case 2: rows_pass<2>(xm, block, ym, Kd, N, n); break;
+          case 3: rows_pass<3>(xm, block, ym, Kd, N, n); break;
+          default: rows_pass<MB>(xm, block, ym, Kd, N, n);
+        }
       }
     }
-  }
+  });
 }
 
 // ---- the operators -----------------------------------------------------------------------------------------------
@@ -114,19 +136,28 @@ void check_slots(const char *op, const Tensor &slots, int64_t num_slots) {
 int64_t rows_block() { return NB; }
 
 Tensor rows_mm(const Tensor &x, const Tensor &packed, int64_t n) {
-  TORCH_CHECK_VALUE(x.dim() == 2 && x.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat &&
+  bool bf16 = packed.scalar_type() == at::kBFloat16;
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.scalar_type() == at::kFloat && (packed.scalar_type() == at::kFloat || bf16) &&
                         packed.dim() == 3 && packed.size(1) == x.size(1) && packed.size(2) == NB &&
                         packed.is_contiguous() && 0 < n && n <= packed.size(0) * NB,
                     "rows_mm: x ", x.sizes(), " ", x.scalar_type(), " does not fit the packed weight ", packed.sizes(),
                     " ", packed.scalar_type(), " of ", n, " rows");
   Tensor xc = x.contiguous(), y = at::empty({x.size(0), n}, x.options());
-  rows_mm_loop(xc.data_ptr<float>(), packed.data_ptr<float>(), y.data_ptr<float>(), x.size(0), x.size(1), n);
+  if (bf16)
+    rows_mm_loop(xc.data_ptr<float>(), static_cast<const uint16_t *>(packed.data_ptr()), y.data_ptr<float>(),
+                 x.size(0), x.size(1), n);
+  else
+    rows_mm_loop(xc.data_ptr<float>(), packed.data_ptr<float>(), y.data_ptr<float>(), x.size(0), x.size(1), n);
   return y;
 }
 
+// a drafter's bf16 copy serves a step's rows at any thread count, and its weight is read at bf16 precision on ATen's
+// path too (a prompt's rows): the compiled drafter computes one function whatever the rows and threads
 Tensor rows_linear(const Tensor &x, const Tensor &packed, const Tensor &weight) {
-  bool in_c = x.size(0) <= ROWS_MAX && at::get_num_threads() == 1;  // cpu_rows.runs_in_c
-  return in_c ? rows_mm(x, packed, weight.size(0)) : at::linear(x, weight);
+  bool bf16 = packed.scalar_type() == at::kBFloat16;
+  bool in_c = bf16 ? x.size(0) <= DRAFT_ROWS_MAX : x.size(0) <= ROWS_MAX && at::get_num_threads() == 1;  // runs_in_c
+  if (in_c) return rows_mm(x, packed, weight.size(0));
+  return at::linear(x, bf16 ? weight.to(at::kBFloat16).to(at::kFloat) : weight);
 }
 
 Tensor mamba_write(const Tensor &conv_state, const Tensor &ssm_state, const Tensor &conv_stash,

@@ -21,7 +21,8 @@ state equal mamba_verify_ref's bit for bit; y sums over N in a fixed order of it
 GEMM copies the weight blocks it reads on every call and runs 4 rows at ~3x the time of one; here the weight is
 packed once (pack_rows: blocks of NB output columns, each contiguous) and each block's MB-row sums stay in vector
 registers, so one pass over the weight serves MB rows. Row m's sums run over K in one order whatever M, so a row
-comes out the same, bit for bit, in a 1-row and in a K-row call.
+comes out the same, bit for bit, in a 1-row and in a K-row call. A drafter's weights are packed in bf16 (its
+products read half the bytes; the sums stay fp32): a draft only proposes, the target's fp32 verify decides.
 
 A step of one row reads every weight once and does little else with it, so its products run at the speed memory
 delivers the weights. A network's packed copies lie in one block of memory on 2 MB pages where the OS grants them
@@ -49,7 +50,10 @@ from torch import Tensor
 SOURCE = Path(__file__).with_name("cpu_rows.cpp")  # the kernels of the ops below, and rows_mm
 HUGE_PAGE = 2 << 20  # a transparent huge page on x86-64 and most arm64 kernels
 ROWS_MAX = 16  # rows up to which rows_mm beats ATen's GEMM on one thread (docs/BENCHMARKS.md, "K rows")
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-std=c++20", f"-DROWS_MAX={ROWS_MAX}")
+DRAFT_ROWS_MAX = 64  # a drafter's bf16 copy: a step's rows (batch x block) stay in rows_mm, a prompt's go to ATen
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-std=c++20", f"-DROWS_MAX={ROWS_MAX}",
+         f"-DDRAFT_ROWS_MAX={DRAFT_ROWS_MAX}")
+OPENMP = "-fopenmp"  # rows_mm's threads (at::parallel_for); a compiler without OpenMP builds it serial
 
 
 def build() -> Path:
@@ -61,8 +65,8 @@ def build() -> Path:
                            "torch.compile's inductor does")
     cpu = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "") \
         if Path("/proc/cpuinfo").exists() else platform.processor()
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), cxx, *FLAGS, platform.machine(), cpu, torch.__version__,
-                                    torch.__file__]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), cxx, *FLAGS, OPENMP, platform.machine(), cpu,
+                                    torch.__version__, torch.__file__]).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "nano_spec"
     try:
         cache.mkdir(parents=True, exist_ok=True)
@@ -74,10 +78,13 @@ def build() -> Path:
         from torch.utils.cpp_extension import include_paths, library_paths
         with tempfile.TemporaryDirectory(dir=cache) as tmp:  # built aside, then moved in whole
             out = Path(tmp) / "cpu_rows.so"
-            done = subprocess.run([cxx, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-                                   *(f"-I{p}" for p in include_paths()), str(SOURCE), "-o", str(out),
-                                   *(f"-L{p}" for p in library_paths()), "-lc10", "-ltorch_cpu"],
-                                  capture_output=True, text=True)
+            abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+            for openmp in ([OPENMP], []):
+                done = subprocess.run([cxx, *FLAGS, *openmp, abi, *(f"-I{p}" for p in include_paths()), str(SOURCE),
+                                       "-o", str(out), *(f"-L{p}" for p in library_paths()), "-lc10", "-ltorch_cpu"],
+                                      capture_output=True, text=True)
+                if done.returncode == 0:
+                    break
             if done.returncode != 0:
                 raise RuntimeError(f"compile: {cxx} could not build the CPU step's kernels:\n{done.stderr[-2000:]}")
             os.replace(out, path)
@@ -135,13 +142,19 @@ commit_state = cpu_op("commit_state(Tensor(a!) ssm_state, Tensor(b!) conv_state,
 
 
 # ---- 3. few rows by a packed weight ------------------------------------------------------------------------------
-def pack_rows(weight: Tensor) -> Tensor:
-    """weight (N, K), any layout -> its packed fp32 copy (ceil(N / NB), K, NB) for rows_mm: block j holds output
-    columns j NB .. j NB + NB - 1, contiguous, zeros past N."""
+def pack_rows(weight: Tensor, dtype=torch.float32) -> Tensor:
+    """weight (N, K), any layout -> its packed copy (ceil(N / NB), K, NB) for rows_mm: block j holds output columns
+    j NB .. j NB + NB - 1, zeros past N. In fp32 a block's row holds them in order; in bf16 (a drafter's copy: half
+    the bytes, rounded to nearest) column c sits beside column c + NB/2, the pair the kernel widens in one load."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"pack_rows: dtype {dtype} is not float32 or bfloat16")
     NB, (N, K) = library().rows_block(), weight.shape
-    packed = torch.zeros(-(-N // NB) * NB, K, dtype=torch.float32, device=weight.device)
+    packed = torch.zeros(-(-N // NB) * NB, K, dtype=dtype, device=weight.device)
     packed[:N] = weight.detach()
-    return packed.view(-1, NB, K).transpose(1, 2).contiguous()
+    packed = packed.view(-1, NB, K).transpose(1, 2)  # (N / NB, K, NB)
+    if dtype == torch.bfloat16:
+        packed = packed[..., torch.arange(NB).view(2, NB // 2).t().flatten()]  # columns 0, NB/2, 1, NB/2 + 1, ..
+    return packed.contiguous()
 
 
 def on_huge_pages(tensors: list):
@@ -177,30 +190,37 @@ def dense_like(flat: Tensor, t: Tensor) -> Tensor:
 
 
 def rows_mm(x: Tensor, packed: Tensor, n: int) -> Tensor:
-    """x (M, K) fp32 times the weight (n, K) that pack_rows packed -> y = x W^T (M, n) fp32, one thread."""
+    """x (M, K) fp32 times the weight (n, K) that pack_rows packed -> y = x W^T (M, n) fp32, its column blocks
+    shared out over torch's threads (the same sums whatever their count)."""
     return library().rows_mm(x, packed, n)
 
 
-def runs_in_c(rows: int) -> bool:
-    """Whether a product of this many rows by a packed weight runs in rows_mm: at most ROWS_MAX rows, one thread
-    (rows_linear's kernel asks the same)."""
+def runs_in_c(rows: int, dtype=torch.float32) -> bool:
+    """Whether a product of this many rows by a weight packed in dtype runs in rows_mm: at most ROWS_MAX rows on
+    one thread; for a drafter's bf16 copy, which ATen can only read through a rounded copy made per call, at most
+    DRAFT_ROWS_MAX rows on any number of threads (rows_linear's kernel asks the same)."""
+    if dtype == torch.bfloat16:
+        return rows <= DRAFT_ROWS_MAX
     return rows <= ROWS_MAX and torch.get_num_threads() == 1
 
 
 # x (M, K) W^T -> (M, N) for the weight (N, K) and its packed copy: rows_mm where runs_in_c, else ATen's GEMM over
-# the weight, which uses the threads (the thread count may change between calls of a graph)
+# the weight (at bf16 precision for a bf16 copy), which uses the threads (their count may change between calls)
 rows_linear = cpu_op("rows_linear(Tensor x, Tensor packed, Tensor weight) -> Tensor",
                      meta=lambda x, packed, weight: x.new_empty(x.shape[0], weight.shape[0]))
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, packed: Tensor | None = None) -> Tensor:
     """F.linear(x, weight, bias), over the packed copy of the weight where there is one and x has at most ROWS_MAX
-    rows (a compiled CPU step's; a prompt's rows go to ATen's GEMM)."""
+    rows, DRAFT_ROWS_MAX for a bf16 copy (a compiled CPU step's; a prompt's rows go to ATen's GEMM). A bf16 copy
+    is a drafter's: its weight is read at bf16 precision in every call."""
     rows = x.numel() // x.shape[-1]
-    if packed is None or rows > ROWS_MAX:
-        return F.linear(x, weight, bias)
-    y = rows_linear(x.reshape(rows, x.shape[-1]), packed, weight).view(*x.shape[:-1], weight.shape[0])
-    return y if bias is None else y + bias
+    if packed is not None and rows <= (DRAFT_ROWS_MAX if packed.dtype == torch.bfloat16 else ROWS_MAX):
+        y = rows_linear(x.reshape(rows, x.shape[-1]), packed, weight).view(*x.shape[:-1], weight.shape[0])
+        return y if bias is None else y + bias
+    if packed is not None and packed.dtype == torch.bfloat16:
+        weight = weight.bfloat16().float()
+    return F.linear(x, weight, bias)
 
 
 class RowsLinear(nn.Module):
@@ -215,19 +235,24 @@ class RowsLinear(nn.Module):
         return linear(x, self.weight, self.bias, self.packed)
 
 
-def pack_linears(net: nn.Module):
-    """Every fp32 weight of net that a step multiplies gets its packed copy: its nn.Linear layers become RowsLinear,
-    and a module that multiplies a weight itself names it in `packs`, (weight attribute, its packed buffer) pairs
-    (layers.Attention's fused q/k/v, the target's tied output layer). The copies lie together on huge pages
+def pack_linears(net: nn.Module, dtype=torch.float32, skip=()):
+    """Every fp32 weight of net that a step multiplies gets its packed copy in dtype (pack_rows): its nn.Linear
+    layers become RowsLinear, and a module that multiplies a weight itself names it in `packs`, (weight attribute,
+    its packed buffer) pairs (layers.Attention's fused q/k/v, the output layer). The modules under `skip` (a
+    drafter's, inside the target) are left to their own call. The copies lie together on huge pages
     (on_huge_pages). Other dtypes keep ATen's GEMM."""
-    if next(net.parameters()).dtype != torch.float32:
-        return
+    skipped = {id(m) for s in skip for m in s.modules()}
+    modules = [m for m in net.modules() if id(m) not in skipped]
     linears, owners = [], []  # (module, child name, nn.Linear); (module, packed attribute, weight)
-    for module in list(net.modules()):
-        linears += [(module, name, child) for name, child in module.named_children() if isinstance(child, nn.Linear)]
+    for module in modules:
+        linears += [(module, name, child) for name, child in module.named_children()
+                    if isinstance(child, nn.Linear) and id(child) not in skipped]
         owners += [(module, packed, getattr(module, weight)) for weight, packed in getattr(module, "packs", ())
                    if getattr(module, weight) is not None]
-    packed = on_huge_pages([pack_rows(w) for w in [lin.weight for *_, lin in linears] + [w for *_, w in owners]])
+    weights = [lin.weight for *_, lin in linears] + [w for *_, w in owners]
+    if not weights or any(w.dtype != torch.float32 for w in weights):
+        return
+    packed = on_huge_pages([pack_rows(w, dtype) for w in weights])
     for module, name, lin in linears:
         setattr(module, name, RowsLinear(lin, next(packed)))
     for module, attr, _ in owners:

@@ -301,9 +301,10 @@ class HybridLM(nn.Module):
         """The head's attention through its KV cache, rows at positions[b] + r of slots slot_ids (B,)."""
         return lambda attn, y: self._attend(attn, y, k_cache[:, :kv_len], v_cache[:, :kv_len], slot_ids, positions)
 
-    def mtp_logits(self, o):
-        """MTP layer output o (..., D) (before its norm) -> draft logits (..., V)."""
-        return self.logits(self.ops.rmsnorm(o, self.mtp.norm.weight, self.cfg.rms_norm_eps)[0])
+    def mtp_logits(self, o, head=None):
+        """MTP layer output o (..., D) (before its norm) -> draft logits (..., V), through head (a DraftHead) if
+        given, else the model's own logits."""
+        return (head or self.logits)(self.ops.rmsnorm(o, self.mtp.norm.weight, self.cfg.rms_norm_eps)[0])
 
     def mtp_hidden(self, next_ids, h):
         """No-cache reference over positions 0..T-1: next_ids (B, T), h (B, T, D) -> o (B, T, D)."""
@@ -324,6 +325,26 @@ class HybridLM(nn.Module):
         """The whole layer over R rows per sequence at MTP positions positions[b] + r: next_ids (B, R), h (B, R, D)
         -> o (B, R, D). Each recursive draft step (R = 1)."""
         return self._mtp(next_ids, h, self._mtp_cached(slot_ids, positions, k_cache, v_cache, kv_len))
+
+
+class DraftHead(nn.Module):
+    """The target's output layer as a drafter reads it: logits (..., V) = y W^T / logits_scaling, W the target's
+    (tied embedding or lm_head). The module reads the weight but does not hold it, so that its packed copy is the
+    drafts' own: a compiled CPU step packs it in bf16 while the verify's stays fp32 (cpu_rows.pack_linears)."""
+    packs = (("weight", "packed"),)
+
+    def __init__(self, target: HybridLM):
+        super().__init__()
+        self.target = (target,)  # in a tuple: not a submodule, whose weights would be the drafter's to pack
+        self.register_buffer("packed", None, persistent=False)
+
+    @property
+    def weight(self):
+        target = self.target[0]
+        return target.tied_head if target.lm_head is None else target.lm_head.weight
+
+    def forward(self, y):
+        return linear(y, self.weight, None, self.packed) / self.target[0].cfg.logits_scaling
 
 
 def load_model(path, device="cpu", dtype=torch.float32, backend: str = "torch") -> HybridLM:
