@@ -57,12 +57,16 @@ void mamba_rows(const float *decay, const float *u, const float *Bm, const float
 }
 
 // ---- 2. few rows by a packed weight ----------------------------------------------------------------------------
+// MB rows per pass over a block: their 2 MB sums, the block's two weight vectors and a row's input share the
+// vector registers. A pass of few rows is bound by its sums' add latency, not by reading the block, so a step's
+// K rows (up to MB) go in one pass: a second pass of 1 row over blocks already in cache costs more than the first
 #ifdef __AVX512F__
 #define NB 32  // a block's output columns: two vectors of 16 lanes
+#define MB 8   // 32 registers
 #else
-#define NB 16  // 16 vector registers (AVX2, NEON): MB rows' sums must still fit in them
+#define NB 16  // 16 vector registers (AVX2, NEON)
+#define MB 4
 #endif
-#define MB 4   // rows per pass over a block
 typedef float half __attribute__((vector_size(NB * 2), aligned(4)));       // NB / 2 fp32 lanes, loaded unaligned
 typedef uint32_t pairs __attribute__((vector_size(NB * 2), aligned(4)));   // NB bf16 as NB / 2 pairs
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "a bf16 pair's first value is its low half");
@@ -80,9 +84,15 @@ inline void load_row(const uint16_t *w, half &w0, half &w1) {
   std::memcpy(&w1, &hi, sizeof w1);
 }
 
-// mb rows of x (mb, Kd) times one packed block w (Kd, NB) -> y (mb, n), n <= NB: each row's sums over k in order
+// mb rows of x (mb, Kd) times one packed block w (Kd, NB) -> y (mb, n), n <= NB: each row's sums over k in order,
+// each term fused into its sum (one rounding, in every pass alike; the recurrence above has none, for its reference)
+#if defined(__GNUC__) && !defined(__clang__)
+#define FUSED __attribute__((optimize("fp-contract=fast")))
+#else
+#define FUSED  // clang: the products and sums stay apart, slower but the same in every pass
+#endif
 template <int mb, class W>
-void rows_pass(const float *x, const W *w, float *y, int64_t Kd, int64_t N, int64_t n) {
+FUSED void rows_pass(const float *x, const W *w, float *y, int64_t Kd, int64_t N, int64_t n) {
   half acc[mb][2] = {};
   for (int64_t k = 0; k < Kd; k++) {
     half w0, w1;
@@ -112,6 +122,12 @@ void rows_mm_loop(const float *x, const W *w, float *y, int64_t M, int64_t Kd, i
           case 1: rows_pass<1>(xm, block, ym, Kd, N, n); break;
           case 2: rows_pass<2>(xm, block, ym, Kd, N, n); break;
           case 3: rows_pass<3>(xm, block, ym, Kd, N, n); break;
+#if MB > 4
+          case 4: rows_pass<4>(xm, block, ym, Kd, N, n); break;
+          case 5: rows_pass<5>(xm, block, ym, Kd, N, n); break;
+          case 6: rows_pass<6>(xm, block, ym, Kd, N, n); break;
+          case 7: rows_pass<7>(xm, block, ym, Kd, N, n); break;
+#endif
           default: rows_pass<MB>(xm, block, ym, Kd, N, n);
         }
       }

@@ -20,9 +20,10 @@ state equal mamba_verify_ref's bit for bit; y sums over N in a fixed order of it
 3. The products (rows_linear, "K rows by a packed weight"): y (M, N) = x (M, K) W^T for M <= ROWS_MAX rows. ATen's
 GEMM copies the weight blocks it reads on every call and runs 4 rows at ~3x the time of one; here the weight is
 packed once (pack_rows: blocks of NB output columns, each contiguous) and each block's MB-row sums stay in vector
-registers, so one pass over the weight serves MB rows. Row m's sums run over K in one order whatever M, so a row
-comes out the same, bit for bit, in a 1-row and in a K-row call. A drafter's weights are packed in bf16 (its
-products read half the bytes; the sums stay fp32): a draft only proposes, the target's fp32 verify decides.
+registers, so one pass over the weight serves MB rows (8 with AVX-512: a verify's K rows in one pass). Row m's sums
+run over K in one order whatever M, each term fused into its sum, so a row comes out the same, bit for bit, in a
+1-row and in a K-row call. A drafter's weights are packed in bf16 (its products read half the bytes; the sums stay
+fp32): a draft only proposes, the target's fp32 verify decides.
 
 A step of one row reads every weight once and does little else with it, so its products run at the speed memory
 delivers the weights. A network's packed copies lie in one block of memory on 2 MB pages where the OS grants them
