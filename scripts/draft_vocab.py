@@ -53,9 +53,15 @@ def main(argv=None) -> int:
         inside = torch.zeros(V, dtype=torch.bool)
         inside[ranked[:n]] = True
         # the instance's head only: the verify's logits keep the whole vocabulary
-        llm.model.mtp_logits = lambda o, inside=inside: full_logits(o).masked_fill(~inside, float("-inf"))
+        llm.model.mtp_logits = lambda o, head=None, inside=inside: \
+            full_logits(o, head).masked_fill(~inside, float("-inf"))
         llm.telemetry.reset()
-        tokens = [o.token_ids for o in llm.generate(prompts, params)]
+        outputs = llm.generate(prompts, params)
+        failed = [o.error for o in outputs if o.finish_reason == "error"]
+        if failed:
+            print(f"draft vocabulary {n}: a request failed: {failed[0]}", file=sys.stderr)
+            return 1
+        tokens = [o.token_ids for o in outputs]
         if reference is None:
             reference = tokens
         elif tokens != reference:

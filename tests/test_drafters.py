@@ -97,6 +97,7 @@ def test_the_draft_vocabulary_probe_keeps_the_output(ckpt, tmp_path, capsys):
     assert probe.main(["--model", str(model), "--sizes", "1", "16", "--prompts", "2", "--tokens", "8"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in lines] == [f"N={V}", "N=16", "N=1"]
+    assert all(float(line.split("tau ")[1].split()[0]) >= 1 for line in lines), lines  # every step verified
     outputs = plain.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True))
     emitted = torch.tensor([t for o in outputs for t in o.token_ids])
     ranked = torch.bincount(corpus.long().flatten(), minlength=V).argsort(descending=True)
