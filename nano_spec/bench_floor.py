@@ -41,10 +41,9 @@ def record(llm, run) -> tuple:
     """run(), a pass of an eager engine llm -> (the weight matmuls its device steps ran, as (func, args, kwargs);
     the indices of those its device drafter ran; the number of device steps)."""
     drafter = llm.drafter if llm.runner.device_drafter else None
-    nets = [m for m in (llm.model, *(drafter.nets if drafter else ())) if m is not None]
+    nets = [llm.model, *(drafter.nets if drafter else ())]  # a DraftHead's weight is the target's
     weights = {t.data_ptr() for net in nets  # the fused q/k/v weights are buffers
-               for t in [*net.parameters(), *net.buffers(), *[getattr(net, w) for w, _ in getattr(net, "packs", ())]]
-               if t is not None}
+               for t in [*net.parameters(), *net.buffers()]}
     recorder, step, steps = WeightMatmuls(weights), llm.runner.graph.fn, []
 
     def drafting(method):

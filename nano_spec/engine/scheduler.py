@@ -211,7 +211,7 @@ class Scheduler:
         if c is not None and not c.consume(token):  # not reached: every pick and draft is made under the mask
             self._end(seq, f"grammar: {c.error}")
         elif (token in p.stop_token_ids or (token in self.tok.eos_ids and not p.ignore_eos)
-              or (new_text and p.stop and self._cut_at_stop(seq, len(new_text)))  # before the grammar's end: cut
+              or (new_text and self._cut_at_stop(seq, len(new_text)))  # before the grammar's end: cut
               or (c is not None and c.stopped)):  # the grammar is complete: only EOS could follow
             seq.finish_reason = "stop"
         elif len(seq.tokens) - seq.prompt_len >= p.max_new_tokens or len(seq.tokens) >= self.max_seq_len:

@@ -196,13 +196,16 @@ def rows_mm(x: Tensor, packed: Tensor, n: int) -> Tensor:
     return library().rows_mm(x, packed, n)
 
 
+def rows_max(dtype) -> int:
+    """The most rows a product by a weight packed in dtype hands to rows_mm: a drafter's bf16 copy, which ATen can
+    only read through a rounded copy made per call, serves a whole step's rows."""
+    return DRAFT_ROWS_MAX if dtype == torch.bfloat16 else ROWS_MAX
+
+
 def runs_in_c(rows: int, dtype=torch.float32) -> bool:
-    """Whether a product of this many rows by a weight packed in dtype runs in rows_mm: at most ROWS_MAX rows on
-    one thread; for a drafter's bf16 copy, which ATen can only read through a rounded copy made per call, at most
-    DRAFT_ROWS_MAX rows on any number of threads (rows_linear's kernel asks the same)."""
-    if dtype == torch.bfloat16:
-        return rows <= DRAFT_ROWS_MAX
-    return rows <= ROWS_MAX and torch.get_num_threads() == 1
+    """Whether a product of this many rows by a weight packed in dtype runs in rows_mm: at most rows_max(dtype),
+    on one thread unless the copy is bf16 (rows_linear's kernel asks the same)."""
+    return rows <= rows_max(dtype) and (dtype == torch.bfloat16 or torch.get_num_threads() == 1)
 
 
 # x (M, K) W^T -> (M, N) for the weight (N, K) and its packed copy: rows_mm where runs_in_c, else ATen's GEMM over
@@ -216,7 +219,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, packed: Tensor
     rows, DRAFT_ROWS_MAX for a bf16 copy (a compiled CPU step's; a prompt's rows go to ATen's GEMM). A bf16 copy
     is a drafter's: its weight is read at bf16 precision in every call."""
     rows = x.numel() // x.shape[-1]
-    if packed is not None and rows <= (DRAFT_ROWS_MAX if packed.dtype == torch.bfloat16 else ROWS_MAX):
+    if packed is not None and rows <= rows_max(packed.dtype):
         y = rows_linear(x.reshape(rows, x.shape[-1]), packed, weight).view(*x.shape[:-1], weight.shape[0])
         return y if bias is None else y + bias
     if packed is not None and packed.dtype == torch.bfloat16:

@@ -304,7 +304,8 @@ class HybridLM(nn.Module):
     def mtp_logits(self, o, head=None):
         """MTP layer output o (..., D) (before its norm) -> draft logits (..., V), through head (a DraftHead) if
         given, else the model's own logits."""
-        return (head or self.logits)(self.ops.rmsnorm(o, self.mtp.norm.weight, self.cfg.rms_norm_eps)[0])
+        y = self.ops.rmsnorm(o, self.mtp.norm.weight, self.cfg.rms_norm_eps)[0]
+        return self.logits(y) if head is None else head(y)
 
     def mtp_hidden(self, next_ids, h):
         """No-cache reference over positions 0..T-1: next_ids (B, T), h (B, T, D) -> o (B, T, D)."""
