@@ -3,7 +3,9 @@
 The Mamba verify (graph_ops.mamba_verify, its recurrence in C++) against the torch reference mamba_verify_ref: the
 stash and the states bit for bit, y to 1e-4, the slots it must not touch unchanged; the kernel alone computes
 every row as a one-row call does. The cache writes (kv_write) and the commit (commit_state) against torch's
-indexing and commit_state_ref. The products of few rows by a packed weight (rows_mm) against float64, a row the
+indexing and commit_state_ref. The attention of a verify's rows (graph_ops.attention_verify: kv_write, then attend)
+against attention_verify_ref, attend alone against float64 over the rows each query sees, a row the same in any
+call. The products of few rows by a packed weight (rows_mm) against float64, a row the
 same in any call, the linears of a network packed (pack_linears) against ATen's, and the block the packed copies
 share (on_huge_pages)."""
 import gc
@@ -15,9 +17,10 @@ import torch
 import torch.nn.functional as F
 
 from helpers import assert_close, assert_unchanged, tiny_model
-from nano_spec.model.cpu_rows import (DRAFT_ROWS_MAX, HUGE_PAGE, ROWS_MAX, RowsLinear, commit_state, kv_write, linear,
-                                      mamba_write, on_huge_pages, pack_linears, pack_rows, rows_mm)
-from nano_spec.model.graph_ops import mamba_verify
+from nano_spec.model.cpu_rows import (DRAFT_ROWS_MAX, HUGE_PAGE, ROWS_MAX, RowsLinear, attend, commit_state, kv_write,
+                                      linear, mamba_write, on_huge_pages, pack_linears, pack_rows, rows_mm)
+from nano_spec.model.graph_ops import attention_block, attention_verify, mamba_verify
+from nano_spec_kernels.attention_verify import _attend_ref, attention_block_ref, attention_verify_ref
 from nano_spec_kernels.mamba_verify import mamba_verify_ref
 from nano_spec_kernels.commit_state import commit_state_ref
 from test_kernels_mamba import COMMIT_CASES, INF, S, SLOTS, VERIFY_CASES, make_layer, run_verify, slot_ids
@@ -163,6 +166,64 @@ def test_kv_write_equals_indexing(dtype):
     with pytest.raises(ValueError, match=rf"kv_write: position {L} \(row 2, 1\) must lie in \[0, {L}\)"):
         kv_write(kept[0, :, :L], kept[1, :, :L], slots, pos, k, v)
     assert_unchanged("caches after a refusal", caches, kept)
+
+
+# (B, K, Hq, Hkv, Dh, L): head dims of no vector, one and a rest, three vectors; a cache longer than any row sees
+ATTEND_CASES = [("Dh12-rep2", (3, 4, 4, 2, 12, 23)), ("Dh37-one-query-head", (2, 3, 1, 1, 37, 40)),
+                ("Dh48-rep3-one-row", (3, 1, 6, 2, 48, 70))]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("shape", [c[1] for c in ATTEND_CASES], ids=[c[0] for c in ATTEND_CASES])
+def test_attend_matches_float64(shape, dtype):
+    """Each query row over its slot's rows 0..pos and no others (rows past them hold huge values that would show),
+    against float64 over the same cache; a row comes out the same, bit for bit, in a 1-row call."""
+    Bsz, K, Hq, Hkv, Dh, L = shape
+    caches = torch.randn(2, S, L, Hkv, Dh).to(dtype)
+    q, slots = torch.randn(Bsz, K, Hq, Dh), slot_ids(Bsz)
+    pos = torch.randint(0, L - K, (Bsz, 1)) + torch.arange(K)  # (B, K)
+    for b in range(Bsz):
+        caches[:, slots[b], pos[b, -1] + 1:] = 1e4
+    out = attend(q, caches[0], caches[1], slots, pos, 0.3)
+    visible = torch.arange(L)[None, None, :] <= pos[:, :, None]  # (B, K, L)
+    ref = _attend_ref(q.double(), caches[0][slots].double(), caches[1][slots].double(), visible[:, None], 0.3)
+    assert_close("o", ref, out, atol=1e-5)
+    for j in range(K):
+        assert_unchanged(f"row {j} alone", out[:, j:j + 1], attend(q[:, j:j + 1], caches[0], caches[1], slots,
+                                                                   pos[:, j:j + 1], 0.3))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_graph_attention_equals_the_reference(dtype):
+    """graph_ops.attention_verify, as a compiled step runs it (caches cut to a step's KV rows): the reference's
+    cache writes bit for bit and its output to rounding; a position past the rows is refused."""
+    Bsz, K, Hq, Hkv, Dh, L = 3, 4, 4, 2, 12, 17
+    caches = torch.randn(2, S, L + 5, Hkv, Dh, dtype=dtype)
+    q, k, v = torch.randn(Bsz, K, Hq, Dh, dtype=dtype), *torch.randn(2, Bsz, K, Hkv, Dh, dtype=dtype)
+    slots, seq_lens = slot_ids(Bsz), torch.tensor([0, 9, L - K])
+    ref, out = caches.clone(), caches.clone()
+    o_ref = attention_verify_ref(q, k, v, ref[0, :, :L], ref[1, :, :L], slots, seq_lens, 0.3, 10_000.0)
+    o = attention_verify(q, k, v, out[0, :, :L], out[1, :, :L], slots, seq_lens, 0.3, 10_000.0)
+    assert_unchanged("caches", ref, out)
+    assert_close("o", o_ref, o, atol=1e-5 if dtype == torch.float32 else 1e-2)
+    pos = seq_lens[:, None] + torch.arange(K)
+    pos[2, 1] = L
+    with pytest.raises(ValueError, match=rf"attend: position {L} \(row 2, 1\) must lie in \[0, {L}\)"):
+        attend(q.float(), out[0, :, :L], out[1, :, :L], slots, pos, 0.3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_graph_block_attention_equals_the_reference(dtype):
+    """graph_ops.attention_block: a block drafter's rows over their slot's context rows (one with none) and their
+    own block, against attention_block_ref; the caches are only read."""
+    Bsz, Kb, Hq, Hkv, Dh, L = 3, 4, 4, 2, 12, 17
+    caches = torch.randn(2, S, L, Hkv, Dh, dtype=dtype)
+    q, k, v = torch.randn(Bsz, Kb, Hq, Dh, dtype=dtype), *torch.randn(2, Bsz, Kb, Hkv, Dh, dtype=dtype)
+    slots, ctx_lens, kept = slot_ids(Bsz), torch.tensor([0, 9, L]), caches.clone()
+    ref = attention_block_ref(q, k, v, caches[0], caches[1], slots, ctx_lens, 0.3, 10_000.0)
+    out = attention_block(q, k, v, caches[0], caches[1], slots, ctx_lens, 0.3, 10_000.0)
+    assert_close("o", ref, out, atol=1e-5 if dtype == torch.float32 else 1e-2)
+    assert_unchanged("caches", kept, caches)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16-conv"])

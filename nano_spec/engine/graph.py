@@ -7,8 +7,10 @@
 
 A bucket is (Bp, the step's static arguments, kv): the batch padded up to a power of two (at most the slot count),
 γ and the other static arguments as the step asks, and the KV rows attention reads, the longest sequence after the
-step rounded up to a power of two (at least KV_MIN, at most the cache's length). Padding rows repeat row 0 (same
-slot, same inputs), so they compute and write exactly what row 0 does and no other slot is touched.
+step rounded up to a power of two (at least KV_MIN, at most the cache's length). A compiled step's attention reads
+the rows each sequence has whatever the graph's KV length (cpu_rows' attend), so there kv is the cache's length,
+one bucket. Padding rows repeat row 0 (same slot, same inputs), so they compute and write exactly what row 0 does
+and no other slot is touched.
 A call whose bucket has no graph yet runs in a graph made for more rows or more KV rows, when one exists (the
 smallest such): padding a few steps costs less than making a graph, which on the CPU takes seconds.
 
@@ -280,7 +282,8 @@ class StepGraph:
             use_graph_ops(ops, compiled=mode == "compiled")
         self.fn, self.mode, self.phase, self.num_slots, self.kv_max = fn, mode, phase, num_slots, kv_max
         self.template = template and mode == "compiled"
-        self.most = len(buckets(1, num_slots)) * len(buckets(min(KV_MIN, kv_max), kv_max)) * per_bucket
+        self.kv_least = kv_max if mode == "compiled" else min(KV_MIN, kv_max)  # the smallest KV bucket
+        self.most = len(buckets(1, num_slots)) * len(buckets(self.kv_least, kv_max)) * per_bucket
         self.seconds, self.seen, self.listener = 0.0, set(), None
         self.calls = Counter()  # bucket key -> calls
         self.route = {}  # bucket key without a graph -> the key of the graph that serves it
@@ -296,7 +299,7 @@ class StepGraph:
         B = batched[0].shape[0]
         if self.mode == "eager" or eager:
             return self.fn(*batched, kv=min(kv_len, self.kv_max), phase=self.phase, **static), B
-        Bp, kv = bucket(B, 1, self.num_slots), bucket(kv_len, min(KV_MIN, self.kv_max), self.kv_max)
+        Bp, kv = bucket(B, 1, self.num_slots), bucket(kv_len, self.kv_least, self.kv_max)
         key = (torch.get_num_threads(), Bp, kv, tuple(sorted(static.items())),
                tuple(None if t is None else (tuple(t.shape[1:]), t.dtype) for t in batched))
         if key not in self.seen:  # a graph made for more rows or more KV rows serves: padding costs less than a graph

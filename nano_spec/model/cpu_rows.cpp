@@ -7,8 +7,10 @@
 #include <ATen/ops/linear.h>
 #include <torch/library.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 using at::Tensor;
 
@@ -135,6 +137,105 @@ void rows_mm_loop(const float *x, const W *w, float *y, int64_t M, int64_t Kd, i
   });
 }
 
+// ---- 3. attention of a step's rows over a slot's cache ------------------------------------------------------------
+// Query row (b, j), head h (KV head h / rep) sees the slot's cache rows 0 .. pos[b, j] and then the E rows of its
+// sequence's own (a block drafter's block: E = 0 for a verify, whose rows are in the cache by then):
+//     s_l = scale q.k_l,   p_l = exp(s_l - max s) / sum exp(s - max s),   o = sum_l p_l v_l
+// over exactly those rows, whatever the cache's length. Each query row is computed alone, in one order, so a row
+// comes out the same, bit for bit, in a 1-row and in a K-row call (and in any batch). The head dim Dh is DV
+// vectors of 16 lanes and a rest of fewer, DV <= ATTEND_DV: the row's q and o stay in vector registers.
+#define ATTEND_DV 16  // Dh up to 16 * 17 - 1
+typedef float lanes __attribute__((vector_size(64), aligned(4)));      // 16 fp32, loaded unaligned
+typedef float lanes8 __attribute__((vector_size(32)));
+typedef uint16_t lanes16 __attribute__((vector_size(32), aligned(2)));  // 16 bf16
+typedef uint32_t lanes32 __attribute__((vector_size(64)));
+inline float widen(float v) { return v; }
+inline float widen(uint16_t v) {  // a bf16 value is the top half of its fp32
+  uint32_t bits = uint32_t(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+inline float widen(c10::Half v) { return float(v); }
+inline lanes load16(const float *p) { return *(const lanes *)p; }
+inline lanes load16(const c10::Half *p) {
+  lanes f;
+  for (int i = 0; i < 16; i++) f[i] = float(p[i]);
+  return f;
+}
+inline lanes load16(const uint16_t *p) {
+  lanes32 bits = __builtin_convertvector(*(const lanes16 *)p, lanes32) << 16;
+  lanes f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+inline float sum16(lanes v) {  // halves added as a tree: a fixed order, 4 steps deep
+  lanes8 lo, hi;
+  std::memcpy(&lo, &v, sizeof lo);
+  std::memcpy(&hi, (char *)&v + sizeof lo, sizeof hi);
+  lanes8 a = lo + hi;
+  float b0 = a[0] + a[4], b1 = a[1] + a[5], b2 = a[2] + a[6], b3 = a[3] + a[7];
+  return (b0 + b2) + (b1 + b3);
+}
+
+// The rows a query sees: n of the cache (keys, vals), then e of its own (own_k, own_v), row_stride apart in both
+template <class T>
+struct Seen {
+  const T *keys, *vals, *own_k, *own_v;
+  int64_t n, e, row_stride;
+  const T *key(int64_t l) const { return l < n ? keys + l * row_stride : own_k + (l - n) * row_stride; }
+  const T *val(int64_t l) const { return l < n ? vals + l * row_stride : own_v + (l - n) * row_stride; }
+};
+
+template <int DV, class T>
+void attend_row(const float *q, const Seen<T> &seen, int64_t Dh, float scale, float *scores, float *o) {
+  constexpr int NV = DV > 0 ? DV : 1;
+  lanes qv[NV], acc[NV] = {};
+  float rest[16] = {0}, top = -INFINITY, total = 0;
+  int64_t n = seen.n + seen.e;
+  for (int v = 0; v < DV; v++) qv[v] = load16(q + 16 * v);
+  for (int64_t l = 0; l < n; l++) {  // s_l: Dh in 16 lanes summed as a tree, then the rest in order
+    const T *k = seen.key(l);
+    float s = 0;
+    if constexpr (DV > 0) {
+      lanes dot = qv[0] * load16(k);
+      for (int v = 1; v < DV; v++) dot += qv[v] * load16(k + 16 * v);
+      s = sum16(dot);
+    }
+    for (int64_t d = 16 * DV; d < Dh; d++) s += q[d] * widen(k[d]);
+    scores[l] = s * scale;
+    top = scores[l] > top ? scores[l] : top;
+  }
+  for (int64_t l = 0; l < n; l++) total += scores[l] = std::exp(scores[l] - top);
+  for (int64_t l = 0; l < n; l++) {  // o: each lane's sum over the rows in order
+    const T *val = seen.val(l);
+    float p = scores[l] / total;
+    for (int v = 0; v < DV; v++) acc[v] += p * load16(val + 16 * v);
+    for (int64_t d = 16 * DV; d < Dh; d++) rest[d - 16 * DV] += p * widen(val[d]);
+  }
+  std::memcpy(o, acc, DV * sizeof(lanes));
+  std::memcpy(o + 16 * DV, rest, (Dh - 16 * DV) * sizeof(float));
+}
+
+template <int DV, class T>
+void attend_rows(const float *q, const T *kc, const T *vc, const T *own_k, const T *own_v, const int64_t *slots,
+                 const int64_t *pos, float *o, int64_t nb, int64_t K, int64_t E, int64_t Hq, int64_t Hkv, int64_t Dh,
+                 int64_t slot_stride, int64_t row_stride, float scale, float *scores) {
+  if constexpr (DV > 0)
+    if (Dh / 16 != DV)
+      return attend_rows<DV - 1>(q, kc, vc, own_k, own_v, slots, pos, o, nb, K, E, Hq, Hkv, Dh, slot_stride,
+                                 row_stride, scale, scores);
+  int64_t rep = Hq / Hkv;
+  for (int64_t b = 0; b < nb; b++)
+    for (int64_t j = 0; j < K; j++)
+      for (int64_t h = 0; h < Hq; h++) {
+        int64_t at = (b * K + j) * Hq + h, head = slots[b] * slot_stride + (h / rep) * Dh;
+        int64_t own = (b * E * Hkv + h / rep) * Dh;  // the sequence's own rows: (B, E, Hkv, Dh), contiguous
+        Seen<T> seen{kc + head, vc + head, own_k + own, own_v + own, pos[b * K + j] + 1, E, row_stride};
+        attend_row<DV>(q + at * Dh, seen, Dh, scale, scores, o + at * Dh);
+      }
+}
+
 // ---- the operators -----------------------------------------------------------------------------------------------
 // C conv rows of W-1 values (es bytes each) into dst (C, W-1), from src (C, width), columns col .. col+W-2: a slot's
 // conv window out of a window of width W-1+K
@@ -241,6 +342,56 @@ void kv_write(const Tensor &k_cache, const Tensor &v_cache, const Tensor &slot_i
   }
 }
 
+// attend and attend_block: the block's own rows k_own, v_own, or none (nullptr)
+Tensor attend_rows_of(const Tensor &q, const Tensor &k_cache, const Tensor &v_cache, const Tensor &slot_ids,
+                      const Tensor &pos, double scale, const Tensor *k_own, const Tensor *v_own) {
+  int64_t nb = q.size(0), K = q.size(1), Hq = q.size(2), Dh = q.size(3), S = k_cache.size(0), L = k_cache.size(1);
+  bool own = k_own != nullptr;
+  int64_t Hkv = k_cache.size(2), E = own ? k_own->size(1) : 0;
+  at::ScalarType dtype = k_cache.scalar_type();
+  bool cache_ok = k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides() &&
+                  k_cache.size(3) == Dh && Dh < 16 * (ATTEND_DV + 1) && k_cache.stride(3) == 1 &&
+                  k_cache.stride(2) == Dh && k_cache.stride(1) == Hkv * Dh && v_cache.scalar_type() == dtype &&
+                  (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf);
+  bool own_ok = !own || (k_own->sizes() == v_own->sizes() && k_own->dim() == 4 && k_own->size(0) == nb &&
+                         k_own->size(2) == Hkv && k_own->size(3) == Dh);
+  TORCH_CHECK_VALUE(q.dim() == 4 && q.scalar_type() == at::kFloat && cache_ok && own_ok && Hkv > 0 && Hq % Hkv == 0 &&
+                        pos.sizes() == q.sizes().slice(0, 2) && slot_ids.numel() == nb,
+                    "attend: q (B, K, Hq, Dh) fp32, caches (S, L, Hkv, Dh) of one float dtype with each position's "
+                    "rows contiguous and Dh below ", 16 * (ATTEND_DV + 1), ", pos (B, K), own rows (B, E, Hkv, Dh)");
+  Tensor slots = slot_ids.to(at::kLong).contiguous(), at_pos = pos.to(at::kLong).contiguous(), qc = q.contiguous();
+  Tensor ko = own ? k_own->to(dtype).contiguous() : Tensor(), vo = own ? v_own->to(dtype).contiguous() : Tensor();
+  check_slots("attend", slots, S);
+  const int64_t *p = at_pos.data_ptr<int64_t>();
+  for (int64_t i = 0; i < nb * K; i++)  // a row with rows of its own may see none of the cache
+    TORCH_CHECK_VALUE((E > 0 ? -1 : 0) <= p[i] && p[i] < L, "attend: position ", p[i], " (row ", i / K, ", ", i % K,
+                      ") must lie in [", E > 0 ? -1 : 0, ", ", L, ")");
+  Tensor o = at::empty({nb, K, Hq, Dh}, q.options()), scores = at::empty({L + E}, q.options());
+  auto run = [&](auto *type) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(type)>>;
+    auto at_ = [](const Tensor &t) { return t.defined() ? static_cast<const T *>(t.data_ptr()) : nullptr; };
+    attend_rows<ATTEND_DV>(qc.data_ptr<float>(), at_(k_cache), at_(v_cache), at_(ko), at_(vo),
+                           slots.data_ptr<int64_t>(), p, o.data_ptr<float>(), nb, K, E, Hq, Hkv, Dh, k_cache.stride(0),
+                           k_cache.stride(1), float(scale), scores.data_ptr<float>());
+  };
+  switch (dtype) {
+    case at::kFloat: run(static_cast<float *>(nullptr)); break;
+    case at::kBFloat16: run(static_cast<uint16_t *>(nullptr)); break;
+    default: run(static_cast<c10::Half *>(nullptr));  // kHalf
+  }
+  return o;
+}
+
+Tensor attend(const Tensor &q, const Tensor &k_cache, const Tensor &v_cache, const Tensor &slot_ids, const Tensor &pos,
+              double scale) {
+  return attend_rows_of(q, k_cache, v_cache, slot_ids, pos, scale, nullptr, nullptr);
+}
+
+Tensor attend_block(const Tensor &q, const Tensor &k_cache, const Tensor &v_cache, const Tensor &slot_ids,
+                    const Tensor &pos, double scale, const Tensor &k_own, const Tensor &v_own) {
+  return attend_rows_of(q, k_cache, v_cache, slot_ids, pos, scale, &k_own, &v_own);
+}
+
 void commit_state(const Tensor &ssm_state, const Tensor &conv_state, const Tensor &ssm_stash,
                   const Tensor &conv_stash, const Tensor &slot_ids, const Tensor &na, const Tensor &active) {
   int64_t L = ssm_state.size(0), S = ssm_state.size(1), nb = ssm_stash.size(1), K = ssm_stash.size(2);
@@ -284,5 +435,7 @@ TORCH_LIBRARY_IMPL(nano_spec, CPU, m) {
   m.impl("rows_linear", rows_linear);
   m.impl("mamba_write", mamba_write);
   m.impl("kv_write", kv_write);
+  m.impl("attend", attend);
+  m.impl("attend_block", attend_block);
   m.impl("commit_state", commit_state);
 }

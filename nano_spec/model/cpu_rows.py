@@ -1,5 +1,6 @@
 """The operators a compiled CPU step calls, with their kernels in C++ (cpu_rows.cpp; docs/DESIGN.md §12): the
-Mamba recurrence of a verify, the cache writes, the commit, and the products of a few rows by a weight. A kernel
+Mamba recurrence of a verify, the cache writes, the attention over a slot's cache, the commit, and the products of
+a few rows by a weight. A kernel
 registered from C++ costs ~1.6 us of dispatch a call from a graph; a Python kernel, ~10 (measured).
 
 1. The recurrence (mamba_write, "The K-row recurrence").
@@ -16,6 +17,9 @@ the torch reference's (a*S rounded, u*B rounded, then the sum: no fused multiply
 state equal mamba_verify_ref's bit for bit; y sums over N in a fixed order of its own, the same at any K.
 
 2. The writes (mamba_write's conv, kv_write, commit_state): row copies (memcpy) into the slots, of any dtype.
+The attention (attend, "Attention over the rows a query sees"): query row (b, j) over its slot's cache rows
+0..pos[b, j], the count read inside the op, so a graph's static KV length costs nothing; each row alone, in one
+order, the same bit for bit in any call.
 
 3. The products (rows_linear, "K rows by a packed weight"): y (M, N) = x (M, K) W^T for M <= ROWS_MAX rows. ATen's
 GEMM copies the weight blocks it reads on every call and runs 4 rows at ~3x the time of one; here the weight is
@@ -137,6 +141,14 @@ mamba_write = cpu_op(
 # rows k, v (B, K, Hkv, Dh) into the caches (S, L, Hkv, Dh) at slots slot_ids (B,), positions pos (B, K)
 kv_write = cpu_op("kv_write(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_ids, Tensor pos, Tensor k, "
                   "Tensor v) -> ()")
+# attention of query rows q (B, K, Hq, Dh) fp32, already rotated, over the caches (S, L, Hkv, Dh) of slots slot_ids
+# (B,): row (b, j) sees cache rows 0 .. pos[b, j] and no others, however long the cache -> o (B, K, Hq, Dh) fp32;
+# attend_block: then its sequence's own rows k_own, v_own (B, E, Hkv, Dh) too (a block's, not in the cache)
+attend = cpu_op("attend(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slot_ids, Tensor pos, float scale) -> Tensor",
+                meta=lambda q, *args: torch.empty_like(q, dtype=torch.float32))
+attend_block = cpu_op("attend_block(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slot_ids, Tensor pos, "
+                      "float scale, Tensor k_own, Tensor v_own) -> Tensor",
+                      meta=lambda q, *args: torch.empty_like(q, dtype=torch.float32))
 # commit_state_ref's contract (nano_spec_kernels/commit_state.py) in place, the rows that move found in C++
 commit_state = cpu_op("commit_state(Tensor(a!) ssm_state, Tensor(b!) conv_state, Tensor ssm_stash, "
                       "Tensor conv_stash, Tensor slot_ids, Tensor na, Tensor active) -> ()")

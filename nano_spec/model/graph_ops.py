@@ -1,17 +1,18 @@
 """The ops a step graph runs in place of the eager ones (docs/DESIGN.md §12); nano_spec/engine/graph.py binds them.
 
-Under torch.compile the Mamba and attention math of a verify runs in the graph, where inductor fuses it; only
+Under torch.compile the Mamba math of a verify around its recurrence runs in the graph, where inductor fuses it;
 the cache writes leave it, as opaque operators with their writes declared (cpu_rows' `mamba_write`, `kv_write`,
 kernels in C++), so the graph hands them the cache views and they write in place. Traced instead, a write into a
-slice of a cache buffer becomes a copy of the whole buffer and a copy back, every call. No graph may hold
-commit_state_ref, which finds the rows that move with a host sync: a compiled step commits with cpu_rows'
-`commit_state`, a CUDA graph of the torch backend with `commit_rows` below. A compiled CPU step's products of a
-few rows by a weight are cpu_rows' too (`pack_linears`).
+slice of a cache buffer becomes a copy of the whole buffer and a copy back, every call. The attention over the
+cache leaves it too (cpu_rows' `attend`, which reads the rows each query sees, not the graph's static KV length).
+No graph may hold commit_state_ref, which finds the rows that move with a host sync: a compiled step commits with
+cpu_rows' `commit_state`, a CUDA graph of the torch backend with `commit_rows` below. A compiled CPU step's
+products of a few rows by a weight are cpu_rows' too (`pack_linears`).
 """
 import torch
 from torch import Tensor
 
-from nano_spec.model.cpu_rows import commit_state, kv_write, library, mamba_write
+from nano_spec.model.cpu_rows import attend, attend_block, commit_state, kv_write, library, mamba_write
 from nano_spec_kernels.common import apply_rope_ref, conv_silu_ref, mamba_dt_ref, split_xbc
 
 
@@ -28,25 +29,24 @@ def mamba_verify(xBC, dt, conv_state, ssm_state, slot_ids, conv_weight, conv_bia
     return (y + D.float()[:, None] * x).to(xBC.dtype)  # y_j = S_j C_j + D x_j
 
 
-# ---- 2. attention: the K new rows written in one op, then attention over the slot's rows ------------
+# ---- 2. attention: the K new rows written, then each row over exactly its slot's visible rows, in C++ ----------
 def attention_verify(q, k, v, k_cache, v_cache, slot_ids, seq_lens, scale: float, rope_theta=None):
-    """attention_verify_ref's contract, written for inductor. The rows are written first and then read back
-    with the rest: reading the cache before a write of it would make inductor keep a copy of the old cache."""
-    Bsz, K, Hq, Dh = q.shape
-    L, Hkv = k_cache.shape[1], k.shape[2]
+    """attention_verify_ref's contract. The rows are written first and then read back with the rest (cpu_rows'
+    kv_write, attend): attend reads the rows 0..pos of each query row's slot, not the cache's L (a KV bucket)."""
+    K = q.shape[1]
     pos = seq_lens[:, None] + torch.arange(K, device=q.device)  # (B, K)
     kv_write(k_cache, v_cache, slot_ids, pos, apply_rope_ref(k, pos, rope_theta), v)  # k is cached rotated
-    # the products as broadcasts and sums, which inductor fuses into its loops: as matmuls they would be its GEMM
-    # template too, which copies each operand that is not a weight into a packed buffer first
-    qg = apply_rope_ref(q, pos, rope_theta).float().view(Bsz, K, Hkv, Hq // Hkv, Dh)  # grouped by KV head
-    qg = qg.permute(0, 2, 3, 1, 4)[:, :, :, :, None]  # (B, Hkv, rep, K, 1, Dh)
-    kc = k_cache[slot_ids].float().transpose(1, 2)[:, :, None, None]  # (B, Hkv, 1, 1, L, Dh)
-    s = (qg * kc).sum(-1) * scale  # (B, Hkv, rep, K, L)
-    visible = torch.arange(L, device=q.device)[None, None, :] <= pos[:, :, None]  # (B, K, L)
-    p = s.masked_fill(~visible[:, None, None], float("-inf")).softmax(-1)
-    vc = v_cache[slot_ids].float().transpose(1, 2)[:, :, None, None]  # (B, Hkv, 1, 1, L, Dh)
-    o = (p[..., None] * vc).sum(-2)  # (B, Hkv, rep, K, Dh)
-    return o.permute(0, 3, 1, 2, 4).reshape(Bsz, K, Hq, Dh).to(q.dtype)
+    return attend(apply_rope_ref(q, pos, rope_theta).float(), k_cache, v_cache, slot_ids, pos, scale).to(q.dtype)
+
+
+def attention_block(q, k, v, k_cache, v_cache, slot_ids, ctx_lens, scale: float, rope_theta=None):
+    """attention_block_ref's contract: each of a block drafter's Kb rows sees its slot's context rows
+    0 .. ctx_len - 1 (the caches, only read) and every row of its block (k, v, not cached)."""
+    Bsz, Kb = q.shape[:2]
+    pos = ctx_lens[:, None] + torch.arange(Kb, device=q.device)  # (B, Kb)
+    seen = (ctx_lens - 1)[:, None].expand(Bsz, Kb)  # the last context row each block row sees
+    return attend_block(apply_rope_ref(q, pos, rope_theta).float(), k_cache, v_cache, slot_ids, seen, scale,
+                        apply_rope_ref(k, pos, rope_theta), v).to(q.dtype)
 
 
 # ---- 3. the commit without a host sync --------------------------------------------------------------
@@ -68,12 +68,14 @@ def commit_rows(ssm_state: Tensor, conv_state: Tensor, ssm_stash: Tensor, conv_s
 # ---- 4. the ops table of a graph -----------------------------------------------------------------------
 def use_graph_ops(ops, compiled: bool):
     """ops (an Ops) as a graph runs them. Under torch.compile: the verify as written for inductor (above), its
-    writes and the commit cpu_rows' ops, whose C++ kernels are built here if need be. In a CUDA graph of the torch
-    backend: the sync-free commit_rows (the Triton backend's commit has no sync)."""
+    writes, the attention (a verify's and a block drafter's) and the commit cpu_rows' ops, whose C++ kernels are
+    built here if need be. In a CUDA graph of the torch backend: the sync-free commit_rows (the Triton backend's
+    commit has no sync)."""
     if compiled and ops.backend != "torch":
         raise ValueError("compile: torch.compile needs backend='torch' (the Triton kernels are not wrapped for it)")
     if compiled:
         library()
         ops.mamba_verify, ops.attention_verify, ops.commit_state = mamba_verify, attention_verify, commit_state
+        ops.attention_block = attention_block
     elif ops.backend == "torch":
         ops.commit_state = commit_rows
