@@ -183,8 +183,6 @@ template <class T>
 struct Seen {
   const T *keys, *vals, *own_k, *own_v;
   int64_t n, e, row_stride;
-  const T *key(int64_t l) const { return l < n ? keys + l * row_stride : own_k + (l - n) * row_stride; }
-  const T *val(int64_t l) const { return l < n ? vals + l * row_stride : own_v + (l - n) * row_stride; }
 };
 
 template <int DV, class T>
@@ -192,27 +190,30 @@ void attend_row(const float *q, const Seen<T> &seen, int64_t Dh, float scale, fl
   constexpr int NV = DV > 0 ? DV : 1;
   lanes qv[NV], acc[NV] = {};
   float rest[16] = {0}, top = -INFINITY, total = 0;
-  int64_t n = seen.n + seen.e;
+  const T *keys[2] = {seen.keys, seen.own_k}, *vals[2] = {seen.vals, seen.own_v};
+  int64_t count[2] = {seen.n, seen.e}, n = seen.n + seen.e;
   for (int v = 0; v < DV; v++) qv[v] = load16(q + 16 * v);
-  for (int64_t l = 0; l < n; l++) {  // s_l: Dh in 16 lanes summed as a tree, then the rest in order
-    const T *k = seen.key(l);
-    float s = 0;
-    if constexpr (DV > 0) {
-      lanes dot = qv[0] * load16(k);
-      for (int v = 1; v < DV; v++) dot += qv[v] * load16(k + 16 * v);
-      s = sum16(dot);
+  for (int part = 0, l = 0; part < 2; part++)  // s_l: Dh in 16 lanes summed as a tree, then the rest in order
+    for (int64_t i = 0; i < count[part]; i++, l++) {
+      const T *k = keys[part] + i * seen.row_stride;
+      float s = 0;
+      if constexpr (DV > 0) {
+        lanes dot = qv[0] * load16(k);
+        for (int v = 1; v < DV; v++) dot += qv[v] * load16(k + 16 * v);
+        s = sum16(dot);
+      }
+      for (int64_t d = 16 * DV; d < Dh; d++) s += q[d] * widen(k[d]);
+      scores[l] = s * scale;
+      top = scores[l] > top ? scores[l] : top;
     }
-    for (int64_t d = 16 * DV; d < Dh; d++) s += q[d] * widen(k[d]);
-    scores[l] = s * scale;
-    top = scores[l] > top ? scores[l] : top;
-  }
   for (int64_t l = 0; l < n; l++) total += scores[l] = std::exp(scores[l] - top);
-  for (int64_t l = 0; l < n; l++) {  // o: each lane's sum over the rows in order
-    const T *val = seen.val(l);
-    float p = scores[l] / total;
-    for (int v = 0; v < DV; v++) acc[v] += p * load16(val + 16 * v);
-    for (int64_t d = 16 * DV; d < Dh; d++) rest[d - 16 * DV] += p * widen(val[d]);
-  }
+  for (int part = 0, l = 0; part < 2; part++)  // o: each lane's sum over the rows in order
+    for (int64_t i = 0; i < count[part]; i++, l++) {
+      const T *val = vals[part] + i * seen.row_stride;
+      float p = scores[l] / total;
+      for (int v = 0; v < DV; v++) acc[v] += p * load16(val + 16 * v);
+      for (int64_t d = 16 * DV; d < Dh; d++) rest[d - 16 * DV] += p * widen(val[d]);
+    }
   std::memcpy(o, acc, DV * sizeof(lanes));
   std::memcpy(o + 16 * DV, rest, (Dh - 16 * DV) * sizeof(float));
 }
