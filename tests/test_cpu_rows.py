@@ -17,8 +17,9 @@ import torch
 import torch.nn.functional as F
 
 from helpers import assert_close, assert_unchanged, tiny_model
-from nano_spec.model.cpu_rows import (DRAFT_ROWS_MAX, HUGE_PAGE, ROWS_MAX, RowsLinear, attend, commit_state, kv_write,
-                                      linear, mamba_write, on_huge_pages, pack_linears, pack_rows, rows_mm)
+from nano_spec.model.cpu_rows import (DRAFT_ROWS_MAX, HUGE_PAGE, ROWS_MAX, RowsLinear, attend, attend_block,
+                                      commit_state, kv_write, linear, mamba_write, on_huge_pages, pack_linears, pack_rows,
+                                      rows_mm)
 from nano_spec.model.graph_ops import attention_block, attention_verify, mamba_verify
 from nano_spec_kernels.attention_verify import _attend_ref, attention_block_ref, attention_verify_ref
 from nano_spec_kernels.mamba_verify import mamba_verify_ref
@@ -191,6 +192,22 @@ def test_attend_matches_float64(shape, dtype):
     for j in range(K):
         assert_unchanged(f"row {j} alone", out[:, j:j + 1], attend(q[:, j:j + 1], caches[0], caches[1], slots,
                                                                    pos[:, j:j + 1], 0.3))
+
+
+def test_attend_threads_share_the_rows_and_change_no_sum():
+    """attend over two threads (24 query rows and heads shared out) gives the one-thread output bit for bit, a
+    block's own rows too."""
+    caches, q, slots = torch.randn(2, S, 50, 2, 20), torch.randn(3, 2, 4, 20), slot_ids(3)
+    pos, own = torch.tensor([[4, 5], [30, 31], [48, 49]]), torch.randn(2, 3, 2, 2, 20)
+    one = attend(q, caches[0], caches[1], slots, pos, 0.3), attend_block(q, *caches, slots, pos, 0.3, *own)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        two = attend(q, caches[0], caches[1], slots, pos, 0.3), attend_block(q, *caches, slots, pos, 0.3, *own)
+    finally:
+        torch.set_num_threads(before)
+    assert_unchanged("two threads against one", one[0], two[0])
+    assert_unchanged("two threads against one, with own rows", one[1], two[1])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

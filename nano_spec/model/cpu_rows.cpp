@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 using at::Tensor;
 
@@ -218,23 +219,27 @@ void attend_row(const float *q, const Seen<T> &seen, int64_t Dh, float scale, fl
   std::memcpy(o + 16 * DV, rest, (Dh - 16 * DV) * sizeof(float));
 }
 
+// Every query row of the step, the rows shared out over torch's threads (a row's sums are the same whichever
+// thread makes them), each thread with its own scores (span: the most rows a query sees)
 template <int DV, class T>
 void attend_rows(const float *q, const T *kc, const T *vc, const T *own_k, const T *own_v, const int64_t *slots,
                  const int64_t *pos, float *o, int64_t nb, int64_t K, int64_t E, int64_t Hq, int64_t Hkv, int64_t Dh,
-                 int64_t slot_stride, int64_t row_stride, float scale, float *scores) {
+                 int64_t slot_stride, int64_t row_stride, float scale, int64_t span) {
   if constexpr (DV > 0)
     if (Dh / 16 != DV)
       return attend_rows<DV - 1>(q, kc, vc, own_k, own_v, slots, pos, o, nb, K, E, Hq, Hkv, Dh, slot_stride,
-                                 row_stride, scale, scores);
+                                 row_stride, scale, span);
   int64_t rep = Hq / Hkv;
-  for (int64_t b = 0; b < nb; b++)
-    for (int64_t j = 0; j < K; j++)
-      for (int64_t h = 0; h < Hq; h++) {
-        int64_t at = (b * K + j) * Hq + h, head = slots[b] * slot_stride + (h / rep) * Dh;
-        int64_t own = (b * E * Hkv + h / rep) * Dh;  // the sequence's own rows: (B, E, Hkv, Dh), contiguous
-        Seen<T> seen{kc + head, vc + head, own_k + own, own_v + own, pos[b * K + j] + 1, E, row_stride};
-        attend_row<DV>(q + at * Dh, seen, Dh, scale, scores, o + at * Dh);
-      }
+  at::parallel_for(0, nb * K * Hq, 4, [&](int64_t first, int64_t last) {
+    std::vector<float> scores(span);
+    for (int64_t at = first; at < last; at++) {  // at = (b K + j) Hq + h
+      int64_t b = at / (K * Hq), h = at % Hq, head = slots[b] * slot_stride + (h / rep) * Dh;
+      int64_t own = (b * E * Hkv + h / rep) * Dh;  // the sequence's own rows: (B, E, Hkv, Dh), contiguous
+      Seen<T> seen{kc + head, vc + head, E ? own_k + own : nullptr, E ? own_v + own : nullptr, pos[at / Hq] + 1, E,
+                   row_stride};
+      attend_row<DV>(q + at * Dh, seen, Dh, scale, scores.data(), o + at * Dh);
+    }
+  });
 }
 
 // ---- the operators -----------------------------------------------------------------------------------------------
@@ -367,13 +372,13 @@ Tensor attend_rows_of(const Tensor &q, const Tensor &k_cache, const Tensor &v_ca
   for (int64_t i = 0; i < nb * K; i++)  // a row with rows of its own may see none of the cache
     TORCH_CHECK_VALUE((E > 0 ? -1 : 0) <= p[i] && p[i] < L, "attend: position ", p[i], " (row ", i / K, ", ", i % K,
                       ") must lie in [", E > 0 ? -1 : 0, ", ", L, ")");
-  Tensor o = at::empty({nb, K, Hq, Dh}, q.options()), scores = at::empty({L + E}, q.options());
+  Tensor o = at::empty({nb, K, Hq, Dh}, q.options());
   auto run = [&](auto *type) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(type)>>;
     auto at_ = [](const Tensor &t) { return t.defined() ? static_cast<const T *>(t.data_ptr()) : nullptr; };
     attend_rows<ATTEND_DV>(qc.data_ptr<float>(), at_(k_cache), at_(v_cache), at_(ko), at_(vo),
                            slots.data_ptr<int64_t>(), p, o.data_ptr<float>(), nb, K, E, Hq, Hkv, Dh, k_cache.stride(0),
-                           k_cache.stride(1), float(scale), scores.data_ptr<float>());
+                           k_cache.stride(1), float(scale), L + E);
   };
   switch (dtype) {
     case at::kFloat: run(static_cast<float *>(nullptr)); break;
