@@ -213,7 +213,7 @@ def test_attend_threads_share_the_rows_and_change_no_sum():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_graph_attention_equals_the_reference(dtype):
     """graph_ops.attention_verify, as a compiled step runs it (caches cut to a step's KV rows): the reference's
-    cache writes bit for bit and its output to rounding; a position past the rows is refused."""
+    cache writes bit for bit and its output to rounding; a position past the rows, and a q of 3 dims, are refused."""
     Bsz, K, Hq, Hkv, Dh, L = 3, 4, 4, 2, 12, 17
     caches = torch.randn(2, S, L + 5, Hkv, Dh, dtype=dtype)
     q, k, v = torch.randn(Bsz, K, Hq, Dh, dtype=dtype), *torch.randn(2, Bsz, K, Hkv, Dh, dtype=dtype)
@@ -227,6 +227,8 @@ def test_graph_attention_equals_the_reference(dtype):
     pos[2, 1] = L
     with pytest.raises(ValueError, match=rf"attend: position {L} \(row 2, 1\) must lie in \[0, {L}\)"):
         attend(q.float(), out[0, :, :L], out[1, :, :L], slots, pos, 0.3)
+    with pytest.raises(ValueError, match=r"attend: q \(B, K, Hq, Dh\), caches .* are 4-d"):
+        attend(q.float()[0], out[0, :, :L], out[1, :, :L], slots, pos, 0.3)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -351,17 +351,19 @@ void kv_write(const Tensor &k_cache, const Tensor &v_cache, const Tensor &slot_i
 // attend and attend_block: the block's own rows k_own, v_own, or none (nullptr)
 Tensor attend_rows_of(const Tensor &q, const Tensor &k_cache, const Tensor &v_cache, const Tensor &slot_ids,
                       const Tensor &pos, double scale, const Tensor *k_own, const Tensor *v_own) {
-  int64_t nb = q.size(0), K = q.size(1), Hq = q.size(2), Dh = q.size(3), S = k_cache.size(0), L = k_cache.size(1);
   bool own = k_own != nullptr;
+  TORCH_CHECK_VALUE(q.dim() == 4 && k_cache.dim() == 4 && (!own || (k_own->dim() == 4 && v_own->dim() == 4)),
+                    "attend: q (B, K, Hq, Dh), caches (S, L, Hkv, Dh) and own rows (B, E, Hkv, Dh) are 4-d");
+  int64_t nb = q.size(0), K = q.size(1), Hq = q.size(2), Dh = q.size(3), S = k_cache.size(0), L = k_cache.size(1);
   int64_t Hkv = k_cache.size(2), E = own ? k_own->size(1) : 0;
   at::ScalarType dtype = k_cache.scalar_type();
-  bool cache_ok = k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides() &&
+  bool cache_ok = k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides() &&
                   k_cache.size(3) == Dh && Dh < 16 * (ATTEND_DV + 1) && k_cache.stride(3) == 1 &&
                   k_cache.stride(2) == Dh && k_cache.stride(1) == Hkv * Dh && v_cache.scalar_type() == dtype &&
                   (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf);
-  bool own_ok = !own || (k_own->sizes() == v_own->sizes() && k_own->dim() == 4 && k_own->size(0) == nb &&
-                         k_own->size(2) == Hkv && k_own->size(3) == Dh);
-  TORCH_CHECK_VALUE(q.dim() == 4 && q.scalar_type() == at::kFloat && cache_ok && own_ok && Hkv > 0 && Hq % Hkv == 0 &&
+  bool own_ok = !own || (k_own->sizes() == v_own->sizes() && k_own->size(0) == nb && k_own->size(2) == Hkv &&
+                         k_own->size(3) == Dh);
+  TORCH_CHECK_VALUE(q.scalar_type() == at::kFloat && cache_ok && own_ok && Hkv > 0 && Hq % Hkv == 0 &&
                         pos.sizes() == q.sizes().slice(0, 2) && slot_ids.numel() == nb,
                     "attend: q (B, K, Hq, Dh) fp32, caches (S, L, Hkv, Dh) of one float dtype with each position's "
                     "rows contiguous and Dh below ", 16 * (ATTEND_DV + 1), ", pos (B, K), own rows (B, E, Hkv, Dh)");
@@ -375,8 +377,8 @@ Tensor attend_rows_of(const Tensor &q, const Tensor &k_cache, const Tensor &v_ca
   Tensor o = at::empty({nb, K, Hq, Dh}, q.options());
   auto run = [&](auto *type) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(type)>>;
-    auto at_ = [](const Tensor &t) { return t.defined() ? static_cast<const T *>(t.data_ptr()) : nullptr; };
-    attend_rows<ATTEND_DV>(qc.data_ptr<float>(), at_(k_cache), at_(v_cache), at_(ko), at_(vo),
+    auto data = [](const Tensor &t) { return t.defined() ? static_cast<const T *>(t.data_ptr()) : nullptr; };
+    attend_rows<ATTEND_DV>(qc.data_ptr<float>(), data(k_cache), data(v_cache), data(ko), data(vo),
                            slots.data_ptr<int64_t>(), p, o.data_ptr<float>(), nb, K, E, Hq, Hkv, Dh, k_cache.stride(0),
                            k_cache.stride(1), float(scale), L + E);
   };
