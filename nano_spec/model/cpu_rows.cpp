@@ -179,11 +179,11 @@ inline float sum16(lanes v) {  // halves added as a tree: a fixed order, 4 steps
   return (b0 + b2) + (b1 + b3);
 }
 
-// The rows a query sees: n of the cache (keys, vals), then e of its own (own_k, own_v), row_stride apart in both
+// The rows a query sees, in two runs row_stride apart: the cache's (run 0), then its sequence's own (run 1)
 template <class T>
 struct Seen {
-  const T *keys, *vals, *own_k, *own_v;
-  int64_t n, e, row_stride;
+  const T *keys[2], *vals[2];
+  int64_t count[2], row_stride;
 };
 
 template <int DV, class T>
@@ -191,12 +191,11 @@ void attend_row(const float *q, const Seen<T> &seen, int64_t Dh, float scale, fl
   constexpr int NV = DV > 0 ? DV : 1;
   lanes qv[NV], acc[NV] = {};
   float rest[16] = {0}, top = -INFINITY, total = 0;
-  const T *keys[2] = {seen.keys, seen.own_k}, *vals[2] = {seen.vals, seen.own_v};
-  int64_t count[2] = {seen.n, seen.e}, n = seen.n + seen.e;
+  int64_t n = seen.count[0] + seen.count[1];
   for (int v = 0; v < DV; v++) qv[v] = load16(q + 16 * v);
   for (int part = 0, l = 0; part < 2; part++)  // s_l: Dh in 16 lanes summed as a tree, then the rest in order
-    for (int64_t i = 0; i < count[part]; i++, l++) {
-      const T *k = keys[part] + i * seen.row_stride;
+    for (int64_t i = 0; i < seen.count[part]; i++, l++) {
+      const T *k = seen.keys[part] + i * seen.row_stride;
       float s = 0;
       if constexpr (DV > 0) {
         lanes dot = qv[0] * load16(k);
@@ -209,8 +208,8 @@ void attend_row(const float *q, const Seen<T> &seen, int64_t Dh, float scale, fl
     }
   for (int64_t l = 0; l < n; l++) total += scores[l] = std::exp(scores[l] - top);
   for (int part = 0, l = 0; part < 2; part++)  // o: each lane's sum over the rows in order
-    for (int64_t i = 0; i < count[part]; i++, l++) {
-      const T *val = vals[part] + i * seen.row_stride;
+    for (int64_t i = 0; i < seen.count[part]; i++, l++) {
+      const T *val = seen.vals[part] + i * seen.row_stride;
       float p = scores[l] / total;
       for (int v = 0; v < DV; v++) acc[v] += p * load16(val + 16 * v);
       for (int64_t d = 16 * DV; d < Dh; d++) rest[d - 16 * DV] += p * widen(val[d]);
@@ -235,8 +234,8 @@ void attend_rows(const float *q, const T *kc, const T *vc, const T *own_k, const
     for (int64_t at = first; at < last; at++) {  // at = (b K + j) Hq + h
       int64_t b = at / (K * Hq), h = at % Hq, head = slots[b] * slot_stride + (h / rep) * Dh;
       int64_t own = (b * E * Hkv + h / rep) * Dh;  // the sequence's own rows: (B, E, Hkv, Dh), contiguous
-      Seen<T> seen{kc + head, vc + head, E ? own_k + own : nullptr, E ? own_v + own : nullptr, pos[at / Hq] + 1, E,
-                   row_stride};
+      Seen<T> seen{{kc + head, E ? own_k + own : nullptr}, {vc + head, E ? own_v + own : nullptr},
+                   {pos[at / Hq] + 1, E}, row_stride};
       attend_row<DV>(q + at * Dh, seen, Dh, scale, scores.data(), o + at * Dh);
     }
   });
@@ -371,16 +370,19 @@ Tensor attend_rows_of(const Tensor &q, const Tensor &k_cache, const Tensor &v_ca
   Tensor ko = own ? k_own->to(dtype).contiguous() : Tensor(), vo = own ? v_own->to(dtype).contiguous() : Tensor();
   check_slots("attend", slots, S);
   const int64_t *p = at_pos.data_ptr<int64_t>();
-  for (int64_t i = 0; i < nb * K; i++)  // a row with rows of its own may see none of the cache
+  int64_t span = E;  // the most rows a query sees: each thread's scores
+  for (int64_t i = 0; i < nb * K; i++) {  // a row with rows of its own may see none of the cache
     TORCH_CHECK_VALUE((E > 0 ? -1 : 0) <= p[i] && p[i] < L, "attend: position ", p[i], " (row ", i / K, ", ", i % K,
                       ") must lie in [", E > 0 ? -1 : 0, ", ", L, ")");
+    span = p[i] + 1 + E > span ? p[i] + 1 + E : span;
+  }
   Tensor o = at::empty({nb, K, Hq, Dh}, q.options());
   auto run = [&](auto *type) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(type)>>;
     auto data = [](const Tensor &t) { return t.defined() ? static_cast<const T *>(t.data_ptr()) : nullptr; };
     attend_rows<ATTEND_DV>(qc.data_ptr<float>(), data(k_cache), data(v_cache), data(ko), data(vo),
                            slots.data_ptr<int64_t>(), p, o.data_ptr<float>(), nb, K, E, Hq, Hkv, Dh, k_cache.stride(0),
-                           k_cache.stride(1), float(scale), L + E);
+                           k_cache.stride(1), float(scale), span);
   };
   switch (dtype) {
     case at::kFloat: run(static_cast<float *>(nullptr)); break;
