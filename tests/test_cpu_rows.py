@@ -17,10 +17,11 @@ import torch.nn.functional as F
 
 from helpers import assert_close, assert_unchanged, tiny_model
 from nano_spec.model.cpu_rows import (DRAFT_ROWS_MAX, HUGE_PAGE, ROWS_MAX, RowsLinear, attend, attend_block,
-                                      commit_state, kv_write, linear, mamba_write, on_huge_pages, pack_linears, pack_rows,
-                                      rows_mm)
-from nano_spec.model.graph_ops import attention_block, attention_verify, mamba_verify
+                                      commit_state, kv_write, linear, mamba_scan_rows, mamba_write, on_huge_pages,
+                                      pack_linears, pack_rows, rows_mm)
+from nano_spec.model.graph_ops import attention_block, attention_verify, mamba_scan, mamba_verify
 from nano_spec_kernels.attention_verify import _attend_ref, attention_block_ref, attention_verify_ref
+from nano_spec_kernels.mamba_scan import mamba_scan_ref
 from nano_spec_kernels.mamba_verify import mamba_verify_ref
 from nano_spec_kernels.commit_state import commit_state_ref
 from test_kernels_mamba import COMMIT_CASES, INF, S, SLOTS, VERIFY_CASES, make_layer, run_verify, slot_ids
@@ -111,6 +112,53 @@ def test_a_state_of_another_layout_is_refused():
     with pytest.raises(ValueError, match="mamba_write: ssm_state must be fp32"):
         mamba_rows(torch.randn(S, H, N, P).transpose(2, 3), torch.zeros(Bsz, K, H, P, N), slot_ids(Bsz),
                    *rows_inputs(Bsz, K, H, P, N, G))
+
+
+SCAN_CASES = [("T1", (1, 4, 12, 20, 2, 4), True), ("T2-short-of-the-window", (2, 4, 12, 20, 1, 4), False),
+              ("T37-N37-tail", (37, 4, 12, 37, 2, 4), True), ("T70-W2", (70, 2, 16, 32, 1, 2), True)]
+
+
+@pytest.mark.parametrize("shape,bias", [c[1:] for c in SCAN_CASES], ids=[c[0] for c in SCAN_CASES])
+def test_prompt_scan_matches_the_recurrent_reference(shape, bias):
+    """A compiled engine's prefill scan (graph_ops.mamba_scan: mamba_scan_rows in place over a zero state) against
+    the token loop of mamba_scan_ref: the state bit for bit (the reference's arithmetic), the window exactly, y to
+    1e-4 (its own order of sums over N)."""
+    T, H, P, N, G, W = shape
+    prm = make_layer(H, P, N, G, W, bias)
+    xBC, dt = torch.randn(T, H * P + 2 * G * N), torch.randn(T, H)
+    ref = mamba_scan_ref(xBC, dt, **prm, n_groups=G, head_dim=P)
+    out = mamba_scan(xBC, dt, **prm, n_groups=G, head_dim=P)
+    assert_close("y", ref[0], out[0])
+    assert_unchanged("ssm_state", ref[1], out[1])
+    assert_unchanged("conv window", ref[2], out[2])
+
+
+def test_prompt_scan_threads_share_the_heads_and_change_no_sum():
+    """The heads shared out over two threads give the one-thread y and state bit for bit."""
+    T, H, P, N, G = 9, 6, 8, 20, 3
+    decay, u, Bm, Cm = (t[0] for t in rows_inputs(1, T, H, P, N, G))
+    start = torch.randn(H, P, N)
+    one = start.clone()
+    y_one = mamba_scan_rows(one, decay, u, Bm, Cm)
+    before, two = torch.get_num_threads(), start.clone()
+    torch.set_num_threads(2)
+    try:
+        y_two = mamba_scan_rows(two, decay, u, Bm, Cm)
+    finally:
+        torch.set_num_threads(before)
+    assert_unchanged("y, two threads against one", y_one, y_two)
+    assert_unchanged("state, two threads against one", one, two)
+
+
+def test_prompt_scan_refuses_what_does_not_fit():
+    T, H, P, N, G = 3, 4, 12, 20, 2
+    decay, u, Bm, Cm = (t[0] for t in rows_inputs(1, T, H, P, N, G))
+    with pytest.raises(ValueError, match="mamba_scan_rows: state must be a contiguous fp32"):
+        mamba_scan_rows(torch.zeros(H, N, P).transpose(1, 2), decay, u, Bm, Cm)
+    with pytest.raises(ValueError, match="mamba_scan_rows: state must be a contiguous fp32"):
+        mamba_scan_rows(torch.zeros(H, P, N), decay, u, Bm[:, :1].expand(T, 3, N), Cm[:, :1].expand(T, 3, N))
+    with pytest.raises(ValueError, match=r"mamba_scan_rows: state must be \(H, P, N\)"):
+        mamba_scan_rows(torch.zeros(H, P, N), decay, u[None], Bm, Cm)
 
 
 def test_the_library_is_built_whole_into_its_cache(tmp_path, monkeypatch):

@@ -17,43 +17,62 @@ using at::Tensor;
 
 namespace {
 
-// ---- 1. the K-row recurrence ---------------------------------------------------------------------------------
-#define LANES 16  // y's partial sums, one per SIMD lane: a fixed order the compiler can vectorize
+// Vectors of 16 lanes (the compiler's vector extension; AVX-512 registers, two AVX2 ones), and a sum in a fixed order
+typedef float lanes __attribute__((vector_size(64), aligned(4)));      // 16 fp32, loaded unaligned
+typedef float lanes8 __attribute__((vector_size(32)));
+typedef uint16_t lanes16 __attribute__((vector_size(32), aligned(2)));  // 16 bf16
+typedef uint32_t lanes32 __attribute__((vector_size(64)));
+inline lanes load16(const float *p) { return *(const lanes *)p; }
+inline float sum16(lanes v) {  // halves added as a tree: a fixed order, 4 steps deep
+  lanes8 lo, hi;
+  std::memcpy(&lo, &v, sizeof lo);
+  std::memcpy(&hi, (char *)&v + sizeof lo, sizeof hi);
+  lanes8 a = lo + hi;
+  float b0 = a[0] + a[4], b1 = a[1] + a[5], b2 = a[2] + a[6], b3 = a[3] + a[7];
+  return (b0 + b2) + (b1 + b3);
+}
 
-// For each sequence b, head h (group g), row k: S_k = a_k S_{k-1} + u_k B_k, stash[b, k] = S_k, y_k = S_k C_k.
+// ---- 1. the K-row recurrence ---------------------------------------------------------------------------------
+// Sequence b's head h (group g) over its K rows: S_k = a_k S_{k-1} + u_k B_k, y_k = S_k C_k. Row k's state goes to
+// the stash's row k (stash), or over the state itself (stash null: a prompt's scan, in place).
+void mamba_head(const float *decay, const float *u, const float *Bm, const float *Cm, float *state_h, float *stash,
+                float *y, int64_t b, int64_t h, int64_t K, int64_t H, int64_t G, int64_t P, int64_t N) {
+  const float *prev = state_h;
+  int64_t g = h / (H / G);
+  for (int64_t k = 0; k < K; k++) {  // row k reads row k-1's state, still in L1
+    int64_t bk = b * K + k;
+    float a = decay[bk * H + h], *out = stash ? stash + (bk * H + h) * P * N : state_h;
+    const float *Bn = Bm + (bk * G + g) * N, *Cn = Cm + (bk * G + g) * N;
+    for (int64_t p = 0; p < P; p++) {
+      float up = u[(bk * H + h) * P + p];
+      const float *s = prev + p * N;
+      float *o = out + p * N;
+      lanes acc = {};
+      int64_t n = 0;
+      for (; n + 16 <= N; n += 16) {
+        lanes v = a * load16(s + n) + up * load16(Bn + n);
+        *(lanes *)(o + n) = v;
+        acc += v * load16(Cn + n);
+      }
+      float sum = sum16(acc);
+      for (; n < N; n++) {
+        float v = a * s[n] + up * Bn[n];
+        o[n] = v;
+        sum += v * Cn[n];
+      }
+      y[(bk * H + h) * P + p] = sum;
+    }
+    prev = out;
+  }
+}
+
+// A verify's rows: every sequence b's heads, each row's state into the stash, then the live states.
 void mamba_rows(const float *decay, const float *u, const float *Bm, const float *Cm, float *state,
                 int64_t slot_stride, const int64_t *slots, float *stash, float *y,
                 int64_t nb, int64_t K, int64_t H, int64_t G, int64_t P, int64_t N) {
   for (int64_t b = 0; b < nb; b++)
-    for (int64_t h = 0; h < H; h++) {
-      const float *prev = state + slots[b] * slot_stride + h * P * N;
-      int64_t g = h / (H / G);
-      for (int64_t k = 0; k < K; k++) {  // row k reads row k-1's state from the stash, still in L1
-        int64_t bk = b * K + k;
-        float a = decay[bk * H + h], *out = stash + (bk * H + h) * P * N;
-        const float *Bn = Bm + (bk * G + g) * N, *Cn = Cm + (bk * G + g) * N;
-        for (int64_t p = 0; p < P; p++) {
-          float up = u[(bk * H + h) * P + p], acc[LANES] = {0}, sum = 0;
-          const float *s = prev + p * N;
-          float *o = out + p * N;
-          int64_t n = 0;
-          for (; n + LANES <= N; n += LANES)
-            for (int l = 0; l < LANES; l++) {
-              float v = a * s[n + l] + up * Bn[n + l];
-              o[n + l] = v;
-              acc[l] += v * Cn[n + l];
-            }
-          for (int l = 0; l < LANES; l++) sum += acc[l];
-          for (; n < N; n++) {
-            float v = a * s[n] + up * Bn[n];
-            o[n] = v;
-            sum += v * Cn[n];
-          }
-          y[(bk * H + h) * P + p] = sum;
-        }
-        prev = out;
-      }
-    }
+    for (int64_t h = 0; h < H; h++)
+      mamba_head(decay, u, Bm, Cm, state + slots[b] * slot_stride + h * P * N, stash, y, b, h, K, H, G, P, N);
   // the live states last: a padded batch repeats a slot, and every row must read the state before the step
   for (int64_t b = 0; b < nb; b++)
     std::memcpy(state + slots[b] * slot_stride, stash + ((b * K + K - 1) * H) * P * N, H * P * N * sizeof(float));
@@ -146,10 +165,6 @@ void rows_mm_loop(const float *x, const W *w, float *y, int64_t M, int64_t Kd, i
 // comes out the same, bit for bit, in a 1-row and in a K-row call (and in any batch). The head dim Dh is DV
 // vectors of 16 lanes and a rest of fewer, DV <= ATTEND_DV: the row's q and o stay in vector registers.
 #define ATTEND_DV 16  // Dh up to 16 * 17 - 1
-typedef float lanes __attribute__((vector_size(64), aligned(4)));      // 16 fp32, loaded unaligned
-typedef float lanes8 __attribute__((vector_size(32)));
-typedef uint16_t lanes16 __attribute__((vector_size(32), aligned(2)));  // 16 bf16
-typedef uint32_t lanes32 __attribute__((vector_size(64)));
 inline float widen(float v) { return v; }
 inline float widen(uint16_t v) {  // a bf16 value is the top half of its fp32
   uint32_t bits = uint32_t(v) << 16;
@@ -158,7 +173,6 @@ inline float widen(uint16_t v) {  // a bf16 value is the top half of its fp32
   return f;
 }
 inline float widen(c10::Half v) { return float(v); }
-inline lanes load16(const float *p) { return *(const lanes *)p; }
 inline lanes load16(const c10::Half *p) {
   lanes f;
   for (int i = 0; i < 16; i++) f[i] = float(p[i]);
@@ -169,14 +183,6 @@ inline lanes load16(const uint16_t *p) {
   lanes f;
   std::memcpy(&f, &bits, sizeof f);
   return f;
-}
-inline float sum16(lanes v) {  // halves added as a tree: a fixed order, 4 steps deep
-  lanes8 lo, hi;
-  std::memcpy(&lo, &v, sizeof lo);
-  std::memcpy(&hi, (char *)&v + sizeof lo, sizeof hi);
-  lanes8 a = lo + hi;
-  float b0 = a[0] + a[4], b1 = a[1] + a[5], b2 = a[2] + a[6], b3 = a[3] + a[7];
-  return (b0 + b2) + (b1 + b3);
 }
 
 // The rows a query sees, in two runs row_stride apart: the cache's (run 0), then its sequence's own (run 1)
@@ -320,6 +326,27 @@ Tensor mamba_write(const Tensor &conv_state, const Tensor &ssm_state, const Tens
   return y;
 }
 
+Tensor mamba_scan_rows(const Tensor &state, const Tensor &decay, const Tensor &u, const Tensor &B, const Tensor &C) {
+  TORCH_CHECK_VALUE(u.dim() == 3 && B.dim() == 3 && C.dim() == 3 && decay.dim() == 2 && state.dim() == 3,
+                    "mamba_scan_rows: state must be (H, P, N), decay (T, H), u (T, H, P), B and C (T, G, N)");
+  int64_t T = u.size(0), H = u.size(1), P = u.size(2), G = B.size(1), N = B.size(2);
+  TORCH_CHECK_VALUE(state.scalar_type() == at::kFloat && state.is_contiguous() &&
+                        state.sizes() == at::IntArrayRef({H, P, N}) && decay.sizes() == at::IntArrayRef({T, H}) &&
+                        B.size(0) == T && C.sizes() == B.sizes() && G > 0 && H % G == 0,
+                    "mamba_scan_rows: state must be a contiguous fp32 (H, P, N), decay (T, H), u (T, H, P), B and C "
+                    "(T, G, N) with G dividing H");
+  Tensor d = decay.to(at::kFloat).contiguous(), uc = u.to(at::kFloat).contiguous();
+  Tensor Bc = B.to(at::kFloat).contiguous(), Cm = C.to(at::kFloat).contiguous();
+  Tensor y = at::empty({T, H, P}, u.options().dtype(at::kFloat));
+  float *s = state.data_ptr<float>(), *yp = y.data_ptr<float>();
+  const float *dp = d.data_ptr<float>(), *up = uc.data_ptr<float>(), *Bp = Bc.data_ptr<float>(),
+              *Cp = Cm.data_ptr<float>();
+  at::parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {  // heads are independent: shared out over the threads
+    for (int64_t h = h0; h < h1; h++) mamba_head(dp, up, Bp, Cp, s + h * P * N, nullptr, yp, 0, h, T, H, G, P, N);
+  });
+  return y;
+}
+
 void kv_write(const Tensor &k_cache, const Tensor &v_cache, const Tensor &slot_ids, const Tensor &pos,
               const Tensor &k, const Tensor &v) {
   int64_t nb = k.size(0), K = k.size(1), S = k_cache.size(0), L = k_cache.size(1);
@@ -444,6 +471,7 @@ TORCH_LIBRARY_IMPL(nano_spec, CPU, m) {
   m.impl("rows_mm", rows_mm);
   m.impl("rows_linear", rows_linear);
   m.impl("mamba_write", mamba_write);
+  m.impl("mamba_scan_rows", mamba_scan_rows);
   m.impl("kv_write", kv_write);
   m.impl("attend", attend);
   m.impl("attend_block", attend_block);

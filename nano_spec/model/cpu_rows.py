@@ -14,7 +14,8 @@ Written as torch ops in a compiled graph, each row's state went to a buffer, was
 again into the stash: about 4x the bytes of the state per row. Here one head's state (16 KB at the 350m shape)
 stays in L1 across the K rows and each row's state is written once, into the stash. The state's arithmetic is
 the torch reference's (a*S rounded, u*B rounded, then the sum: no fused multiply-add), so the stash and the
-state equal mamba_verify_ref's bit for bit; y sums over N in a fixed order of its own, the same at any K.
+state equal mamba_verify_ref's bit for bit; y sums over N in a fixed order of its own, the same at any K. A compiled
+engine's prompts run the same loop over their T rows (mamba_scan_rows), the state overwritten in place: no stash.
 
 2. The writes (mamba_write's conv, kv_write, commit_state): row copies (memcpy) into the slots, of any dtype.
 The attention (attend, "Attention over the rows a query sees"): query row (b, j) over its slot's cache rows
@@ -136,6 +137,11 @@ mamba_write = cpu_op(
     "mamba_write(Tensor(a!) conv_state, Tensor(b!) ssm_state, Tensor(c!) conv_stash, Tensor(d!) ssm_stash, "
     "Tensor slot_ids, Tensor window, Tensor decay, Tensor u, Tensor B, Tensor C) -> Tensor",
     meta=lambda *args: torch.empty_like(args[7], dtype=torch.float32))  # y (B, K, H, P), the shape of u = args[7]
+
+# A prompt's T rows from the state given (zeros for a new prompt), in place: state (H, P, N) fp32 contiguous, decay
+# (T, H), u (T, H, P), B and C (T, G, N). Returns y (T, H, P) fp32, without the D x skip. Heads share the threads.
+mamba_scan_rows = cpu_op("mamba_scan_rows(Tensor(a!) state, Tensor decay, Tensor u, Tensor B, Tensor C) -> Tensor",
+                         meta=lambda state, decay, u, B, C: torch.empty_like(u, dtype=torch.float32))
 
 # ---- 2. the attention rows and the commit ------------------------------------------------------------------------
 # rows k, v (B, K, Hkv, Dh) into the caches (S, L, Hkv, Dh) at slots slot_ids (B,), positions pos (B, K)

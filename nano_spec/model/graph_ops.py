@@ -12,7 +12,8 @@ products of a few rows by a weight are cpu_rows' too (`pack_linears`).
 import torch
 from torch import Tensor
 
-from nano_spec.model.cpu_rows import attend, attend_block, commit_state, kv_write, library, mamba_write
+from nano_spec.model.cpu_rows import attend, attend_block, commit_state, kv_write, library, mamba_scan_rows, mamba_write
+from nano_spec.model.ssd import conv_silu_tokens, last_window
 from nano_spec_kernels.common import apply_rope_ref, conv_silu_ref, mamba_dt_ref, split_xbc
 
 
@@ -27,6 +28,20 @@ def mamba_verify(xBC, dt, conv_state, ssm_state, slot_ids, conv_weight, conv_bia
     decay = torch.exp(dt * -torch.exp(A_log.float()))  # (B, K, H)
     y = mamba_write(conv_state, ssm_state, conv_stash, ssm_stash, slot_ids, window, decay, dt[..., None] * x, Bg, Cg)
     return (y + D.float()[:, None] * x).to(xBC.dtype)  # y_j = S_j C_j + D x_j
+
+
+def mamba_scan(xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, n_groups: int, head_dim: int,
+               dt_limit=(0.0, float("inf"))):
+    """mamba_scan_ref's contract for a compiled engine's prompts (run eager, outside the graphs): the conv and dt in
+    torch, the T rows' recurrence in C++, each head's state in L1 across the rows, in place of chunked SSD, whose
+    small matmuls and (c, H, l, l) decays cost ~10x their arithmetic on a CPU (docs/DESIGN.md §12)."""
+    H = dt.shape[-1]
+    x, Bg, Cg = split_xbc(conv_silu_tokens(xBC, conv_weight, conv_bias), H, head_dim, n_groups)  # (T, ...) fp32
+    dt = mamba_dt_ref(dt, dt_bias, dt_limit)  # (T, H)
+    decay = torch.exp(dt * -torch.exp(A_log.float()))  # (T, H)
+    state = torch.zeros(H, head_dim, Bg.shape[-1], dtype=torch.float32, device=xBC.device)  # (H, P, N)
+    y = mamba_scan_rows(state, decay, dt[..., None] * x, Bg, Cg)  # (T, H, P)
+    return (y + D.float()[:, None] * x).to(xBC.dtype), state, last_window(xBC, conv_weight.shape[-1])
 
 
 # ---- 2. attention: the K new rows written, then each row over exactly its slot's visible rows, in C++ ----------
@@ -76,6 +91,7 @@ def use_graph_ops(ops, compiled: bool):
     if compiled:
         library()
         ops.mamba_verify, ops.attention_verify, ops.commit_state = mamba_verify, attention_verify, commit_state
+        ops.mamba_scan = mamba_scan  # a prompt's, eager
         ops.attention_block = attention_block
     elif ops.backend == "torch":
         ops.commit_state = commit_rows

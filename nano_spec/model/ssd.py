@@ -45,53 +45,73 @@ def mamba_scan_chunked(xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, n_gro
     H, W = dt.shape[-1], conv_weight.shape[-1]
     # The state is fp32 whatever the weights (docs/DESIGN.md §2), so autocast must not lower these matmuls.
     with torch.autocast(xBC.device.type, enabled=False):
-        # 1. causal depthwise conv + SiLU as W shifted multiply-adds over the input padded by W-1 zeros
-        #    (torch's depthwise conv1d backward is orders of magnitude slower on CPU).
-        xpad = F.pad(xBC.float(), (0, 0, W - 1, 0))  # (W-1+T, C)
-        w = conv_weight.float()  # (C, W)
-        conv = sum(xpad[k:k + T] * w[:, k] for k in range(W))  # (T, C)
-        if conv_bias is not None:
-            conv = conv + conv_bias.float()
-        xbc = F.silu(conv)  # (T, C)
+        # 1. causal depthwise conv + SiLU
+        xbc = conv_silu_tokens(xBC, conv_weight, conv_bias)  # (T, C)
         G, R = n_groups, H // n_groups  # head h = g R + r reads group g; B_g and C_g are never copied per head
         x, B_g, C_g = split_xbc(xbc, H, head_dim, n_groups)  # (T, H, P), (T, G, N), (T, G, N)
+        N = B_g.shape[-1]
         dt = mamba_dt_ref(dt, dt_bias, dt_limit)  # (T, H) fp32
-        A = -torch.exp(A_log.float()).view(G, R)  # (G, R)
+        A = -torch.exp(A_log.float())  # (H,)
 
-        # 2. pad T to c*l; padded steps have dt = 0: decay 1 and no input, so the final state is unchanged.
+        # 2. pad T to c*l (padded steps have dt = 0: decay 1 and no input, so the final state is unchanged), and
+        #    lay every tensor out heads first, contiguous, so that each step below is one batched matmul or one
+        #    elementwise pass over memory in order (a strided layout costs an elementwise op several times its work).
         l = chunk_size
         c = -(-T // l)
         pad = c * l - T
-        x = F.pad(x, (0, 0, 0, 0, 0, pad)).view(c, l, G, R, head_dim)  # (c, l, G, R, P)
-        B_g, C_g = (F.pad(t, (0, 0, 0, 0, 0, pad)).view(c, l, G, -1) for t in (B_g, C_g))  # (c, l, G, N)
-        dt = F.pad(dt, (0, 0, 0, pad)).view(c, l, G, R)  # (c, l, G, R)
-        a = (dt * A).permute(0, 2, 3, 1)  # (c, G, R, l): log-decay of each step
-        a_cum = a.cumsum(dim=-1)  # (c, G, R, l)
-        xdt = x * dt[..., None]  # (c, l, G, R, P): the input term dt_j x_j
+        x = F.pad(x, (0, 0, 0, 0, 0, pad)).view(c, l, H, head_dim).transpose(1, 2).contiguous()  # (c, H, l, P)
+        B_g, C_g = (F.pad(t, (0, 0, 0, 0, 0, pad)).view(c, l, G, -1).transpose(1, 2).contiguous()
+                    for t in (B_g, C_g))  # (c, G, l, N)
+        dt = F.pad(dt, (0, 0, 0, pad)).view(c, l, H).transpose(1, 2).contiguous()  # (c, H, l)
+        a = dt * A[:, None]  # (c, H, l): log-decay of each step
+        a_cum = a.cumsum(dim=-1)  # (c, H, l)
+        xdt = x * dt[..., None]  # (c, H, l, P): the input term dt_j x_j
 
         # 3. inside each chunk, the quadratic (attention-like) form: (C_i . B_j) L_ij dt_j x_j for j <= i.
-        CB = torch.einsum("cign,cjgn->cgij", C_g, B_g)  # (c, G, l, l), shared by the R heads of a group
-        scores = CB[:, :, None] * torch.exp(segsum(a))  # (c, G, R, l, l)
-        y_diag = torch.einsum("cgrij,cjgrp->cigrp", scores, xdt)  # (c, l, G, R, P)
+        CB = C_g @ B_g.transpose(-1, -2)  # (c, G, l, l), shared by the R heads of a group
+        scores = CB[:, :, None] * torch.exp(segsum(a)).view(c, G, R, l, l)  # (c, G, R, l, l)
+        y_diag = scores.view(c, H, l, l) @ xdt  # (c, H, l, P)
 
         # 4. each chunk's own end state from zero: sum_j exp(a_{j+1} + ... + a_last) dt_j x_j B_j^T.
-        to_end = torch.exp(a_cum[..., -1:] - a_cum).permute(0, 3, 1, 2)  # (c, l, G, R)
-        states = torch.einsum("cjgrp,cjgn->cgrpn", xdt * to_end[..., None], B_g)  # (c, G, R, P, N)
+        to_end = torch.exp(a_cum[..., -1:] - a_cum)  # (c, H, l)
+        u = (xdt * to_end[..., None]).view(c, G, R, l, head_dim)  # (c, G, R, l, P)
+        states = u.transpose(-1, -2) @ B_g[:, :, None]  # (c, G, R, P, N)
 
         # 5. pass states across chunks: the state entering chunk k is sum_{k' < k} (decay of chunks
         #    k'+1 .. k-1) * states[k'], again a segsum, now over the c chunk totals (plus a zero start).
-        totals = F.pad(a_cum[..., -1].permute(1, 2, 0), (1, 0))  # (G, R, c+1): log-decay across each chunk
-        across = torch.exp(segsum(totals))  # (G, R, c+1, c+1)
-        states = torch.cat([states.new_zeros(1, *states.shape[1:]), states])  # (c+1, G, R, P, N)
-        passed = torch.einsum("grkj,jgrpn->kgrpn", across, states)  # (c+1, G, R, P, N)
-        entering, final = passed[:-1], passed[-1].reshape(H, head_dim, -1)  # (c, G, R, P, N), (H, P, N)
+        totals = F.pad(a_cum[..., -1].t(), (1, 0))  # (H, c+1): log-decay across each chunk
+        across = torch.exp(segsum(totals))  # (H, c+1, c+1)
+        states = torch.cat([states.new_zeros(1, H, head_dim * N), states.view(c, H, head_dim * N)])  # (c+1, H, P*N)
+        passed = across @ states.transpose(0, 1)  # (H, c+1, P*N)
+        final = passed[:, -1].reshape(H, head_dim, N)  # (H, P, N)
+        entering = passed[:, :-1].transpose(0, 1).reshape(c, G, R, head_dim, N)  # (c, G, R, P, N)
 
         # 6. the entering state's contribution inside its chunk, decayed to each position i.
-        y_off = torch.einsum("cign,cgrpn->cigrp", C_g, entering)  # (c, l, G, R, P)
-        y_off = y_off * torch.exp(a_cum).permute(0, 3, 1, 2)[..., None]
+        y_off = (C_g[:, :, None] @ entering.transpose(-1, -2)).view(c, H, l, head_dim)  # (c, H, l, P)
+        y_off = y_off * torch.exp(a_cum)[..., None]
 
-        # 7. sum, the D skip, drop the padding.
-        y = (y_diag + y_off + D.float().view(G, R, 1) * x).reshape(c * l, H, head_dim)[:T]  # (T, H, P)
+        # 7. sum, the D skip, back to tokens first, drop the padding.
+        y = y_diag + y_off + D.float().view(H, 1, 1) * x  # (c, H, l, P)
+        y = y.transpose(1, 2).reshape(c * l, H, head_dim)[:T]  # (T, H, P)
 
-    window = torch.cat([xBC.new_zeros(Cdim, W - 1), xBC.t()], dim=-1)[:, T:]  # (C, W-1): last W-1 inputs
-    return y.to(xBC.dtype), final, window.clone()
+    return y.to(xBC.dtype), final, last_window(xBC, W)
+
+
+def conv_silu_tokens(xBC, conv_weight, conv_bias):
+    """silu(causal depthwise conv1d) of a prompt from a zero window: xBC (T, C), conv_weight (C, W), conv_bias (C,) or
+    None -> (T, C) fp32, as W shifted multiply-adds over the input padded by W-1 zeros (torch's depthwise conv1d
+    backward is orders of magnitude slower on CPU), each tap's weights a contiguous row."""
+    T, W = xBC.shape[0], conv_weight.shape[-1]
+    xpad = F.pad(xBC.float(), (0, 0, W - 1, 0))  # (W-1+T, C)
+    w = conv_weight.float().t().contiguous()  # (W, C)
+    conv = sum(xpad[k:k + T] * w[k] for k in range(W))  # (T, C)
+    if conv_bias is not None:
+        conv = conv + conv_bias.float()
+    return F.silu(conv)
+
+
+def last_window(xBC, W: int):
+    """A prompt's final conv window: xBC (T, C) -> its last W-1 rows as columns (C, W-1), zeros before the first."""
+    T = xBC.shape[0]
+    keep = min(T, W - 1)
+    return F.pad(xBC[T - keep:].t(), (W - 1 - keep, 0)).contiguous()
