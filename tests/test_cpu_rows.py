@@ -1,8 +1,9 @@
 """The compiled CPU step's ops (nano_spec/model/cpu_rows.py, kernels in C++), called outside a graph.
 
 The Mamba verify (graph_ops.mamba_verify, its recurrence in C++) against the torch reference mamba_verify_ref: the
-stash and the states bit for bit, y to 1e-4, the slots it must not touch unchanged; the kernel alone computes every
-row as a one-row call does. The cache writes (kv_write) and the commit (commit_state) against torch's indexing and
+stash's rows a commit reads and the states bit for bit (the last row goes to the live state only), y to 1e-4, the
+slots it must not touch unchanged; the prompt scan (graph_ops.mamba_scan) against mamba_scan_ref; the kernel alone
+computes every row as a one-row call does. The cache writes (kv_write) and the commit (commit_state) against torch's indexing and
 commit_state_ref. The attention of a verify's rows (graph_ops.attention_verify: kv_write, then attend) against
 attention_verify_ref, attend alone against float64 over the rows each query sees, a row the same in any call. The
 products of few rows by a packed weight (rows_mm) against float64, a row the same in any call, the linears of a
@@ -44,6 +45,9 @@ def test_matches_ref(shape, bias, dt_limit):
     out = run_verify(mamba_verify, xBC, dt, conv_state, ssm_state, slot_ids(Bsz), prm, G, dt_limit)
     assert_close("y", ref[0], out[0])
     for name, r, o in list(zip(NAMES, ref, out))[1:]:  # the state's arithmetic is the reference's
+        if name == "ssm_stash":  # the last row's state goes to the live state only: no commit reads it
+            r, o = r[:, :K - 1], o[:, :K - 1]
+            assert out[3][:, K - 1].isnan().all(), "ssm_stash's last row written"
         assert_unchanged(name, r, o)
     untouched = [s for s in range(S) if s not in SLOTS[:Bsz]]
     assert_unchanged("conv_state of other slots", conv_state[untouched], out[1][untouched])
@@ -75,10 +79,11 @@ def test_k_rows_equal_k_one_row_calls(K):
     y = mamba_rows(state, stash, slots, decay, u, Bm, Cm)
     for j in range(K):
         row = slice(j, j + 1)
-        stash1 = torch.empty(Bsz, 1, H, P, N)
-        y1 = mamba_rows(one_state, stash1, slots, decay[:, row], u[:, row], Bm[:, row], Cm[:, row])
+        y1 = mamba_rows(one_state, torch.empty(Bsz, 1, H, P, N), slots, decay[:, row], u[:, row], Bm[:, row],
+                        Cm[:, row])
         assert_unchanged(f"y row {j}", y[:, row], y1)
-        assert_unchanged(f"ssm_stash row {j}", stash[:, row], stash1)
+        if j < K - 1:  # the stash holds the states a commit may rewind to: rows 0..K-2
+            assert_unchanged(f"ssm_stash row {j}", stash[:, j], one_state[slots])
     assert_unchanged("ssm_state", state, one_state)
 
 

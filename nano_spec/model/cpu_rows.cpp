@@ -34,14 +34,16 @@ inline float sum16(lanes v) {  // halves added as a tree: a fixed order, 4 steps
 
 // ---- 1. the K-row recurrence ---------------------------------------------------------------------------------
 // Sequence b's head h (group g) over its K rows: S_k = a_k S_{k-1} + u_k B_k, y_k = S_k C_k. Row k's state goes to
-// the stash's row k (stash), or over the state itself (stash null: a prompt's scan, in place).
+// the stash's row k (stash), or over the state itself (stash null: a prompt's scan, in place); the last row's to
+// `last` if given (a verify's live state, written in place: no commit reads the stash's last row).
 void mamba_head(const float *decay, const float *u, const float *Bm, const float *Cm, float *state_h, float *stash,
-                float *y, int64_t b, int64_t h, int64_t K, int64_t H, int64_t G, int64_t P, int64_t N) {
+                float *last, float *y, int64_t b, int64_t h, int64_t K, int64_t H, int64_t G, int64_t P, int64_t N) {
   const float *prev = state_h;
   int64_t g = h / (H / G);
   for (int64_t k = 0; k < K; k++) {  // row k reads row k-1's state, still in L1
     int64_t bk = b * K + k;
-    float a = decay[bk * H + h], *out = stash ? stash + (bk * H + h) * P * N : state_h;
+    float a = decay[bk * H + h];
+    float *out = k == K - 1 && last ? last : stash ? stash + (bk * H + h) * P * N : state_h;
     const float *Bn = Bm + (bk * G + g) * N, *Cn = Cm + (bk * G + g) * N;
     for (int64_t p = 0; p < P; p++) {
       float up = u[(bk * H + h) * P + p];
@@ -66,16 +68,24 @@ void mamba_head(const float *decay, const float *u, const float *Bm, const float
   }
 }
 
-// A verify's rows: every sequence b's heads, each row's state into the stash, then the live states.
+// A verify's rows: every sequence b's heads, rows 0..K-2 into the stash, the last row over the live state. A padded
+// batch repeats a slot, and every row must read the state before the step: then all K rows go to the stash and
+// the live states are written last, from it.
 void mamba_rows(const float *decay, const float *u, const float *Bm, const float *Cm, float *state,
                 int64_t slot_stride, const int64_t *slots, float *stash, float *y,
                 int64_t nb, int64_t K, int64_t H, int64_t G, int64_t P, int64_t N) {
+  bool repeats = false;
   for (int64_t b = 0; b < nb; b++)
-    for (int64_t h = 0; h < H; h++)
-      mamba_head(decay, u, Bm, Cm, state + slots[b] * slot_stride + h * P * N, stash, y, b, h, K, H, G, P, N);
-  // the live states last: a padded batch repeats a slot, and every row must read the state before the step
+    for (int64_t e = 0; e < b; e++) repeats |= slots[e] == slots[b];
   for (int64_t b = 0; b < nb; b++)
-    std::memcpy(state + slots[b] * slot_stride, stash + ((b * K + K - 1) * H) * P * N, H * P * N * sizeof(float));
+    for (int64_t h = 0; h < H; h++) {
+      float *state_h = state + slots[b] * slot_stride + h * P * N;
+      mamba_head(decay, u, Bm, Cm, state_h, stash, repeats ? nullptr : state_h, y, b, h, K, H, G, P, N);
+    }
+  if (repeats)
+    for (int64_t b = 0; b < nb; b++)
+      std::memcpy(state + slots[b] * slot_stride, stash + ((b * K + K - 1) * H) * P * N,
+                  H * P * N * sizeof(float));
 }
 
 // ---- 2. few rows by a packed weight ----------------------------------------------------------------------------
@@ -342,7 +352,8 @@ Tensor mamba_scan_rows(const Tensor &state, const Tensor &decay, const Tensor &u
   const float *dp = d.data_ptr<float>(), *up = uc.data_ptr<float>(), *Bp = Bc.data_ptr<float>(),
               *Cp = Cm.data_ptr<float>();
   at::parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {  // heads are independent: shared out over the threads
-    for (int64_t h = h0; h < h1; h++) mamba_head(dp, up, Bp, Cp, s + h * P * N, nullptr, yp, 0, h, T, H, G, P, N);
+    for (int64_t h = h0; h < h1; h++)
+      mamba_head(dp, up, Bp, Cp, s + h * P * N, nullptr, nullptr, yp, 0, h, T, H, G, P, N);
   });
   return y;
 }

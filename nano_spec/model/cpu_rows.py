@@ -12,7 +12,8 @@ For each sequence b and head h of group g = h // (H/G), over the rows k = 1..K o
 
 Written as torch ops in a compiled graph, each row's state went to a buffer, was read back for y, and copied
 again into the stash: about 4x the bytes of the state per row. Here one head's state (16 KB at the 350m shape)
-stays in L1 across the K rows and each row's state is written once, into the stash. The state's arithmetic is
+stays in L1 across the K rows and each row's state is written once: into the stash, the last row's into the live
+state (a commit rewinds to a row before the last, so the stash's last row is never read). The state's arithmetic is
 the torch reference's (a*S rounded, u*B rounded, then the sum: no fused multiply-add), so the stash and the
 state equal mamba_verify_ref's bit for bit; y sums over N in a fixed order of its own, the same at any K. A compiled
 engine's prompts run the same loop over their T rows (mamba_scan_rows), the state overwritten in place: no stash.
@@ -131,8 +132,10 @@ def cpu_op(schema: str, meta=lambda *args: None):
 # ---- 1. the K-row recurrence -----------------------------------------------------------------------------------
 # The K rows' recurrence and conv writes of a Mamba verify, in place: conv_state (S, C, W-1) and ssm_state
 # (S, H, P, N) fp32, slots contiguous, advanced at slot_ids (B,); conv_stash (B, C, W-1+K) and ssm_stash
-# (B, K, H, P, N) fp32, contiguous, written; window (B, C, W-1+K) the conv's inputs (the slot's last W-1 and the K
-# new); decay (B, K, H), u (B, K, H, P), B and C (B, K, G, N). Returns y (B, K, H, P) fp32, without the D x skip.
+# (B, K, H, P, N) fp32, contiguous, written: the stash's rows 0..K-2 only where the slots differ (the last row's
+# state, which no commit reads, goes straight to the live state), all K where a padded batch repeats a slot; window
+# (B, C, W-1+K) the conv's inputs (the slot's last W-1 and the K new); decay (B, K, H), u (B, K, H, P), B and C
+# (B, K, G, N). Returns y (B, K, H, P) fp32, without the D x skip.
 mamba_write = cpu_op(
     "mamba_write(Tensor(a!) conv_state, Tensor(b!) ssm_state, Tensor(c!) conv_stash, Tensor(d!) ssm_stash, "
     "Tensor slot_ids, Tensor window, Tensor decay, Tensor u, Tensor B, Tensor C) -> Tensor",

@@ -20,7 +20,9 @@ from nano_spec_kernels.common import apply_rope_ref, conv_silu_ref, mamba_dt_ref
 # ---- 1. Mamba: the conv and dt in the graph, the K-row recurrence and the writes in one op -----------
 def mamba_verify(xBC, dt, conv_state, ssm_state, slot_ids, conv_weight, conv_bias, dt_bias, A_log, D,
                  ssm_stash, conv_stash, n_groups: int, dt_limit=(0.0, float("inf"))):
-    """mamba_verify_ref's contract on the CPU: inductor fuses the conv, dt and decay; the recurrence is C++."""
+    """mamba_verify_ref's contract on the CPU, but for the stash's last row, which no commit reads: written only where
+    a padded batch repeats a slot (cpu_rows' mamba_write). Inductor fuses the conv, dt and decay; the recurrence is
+    C++."""
     H, P = ssm_state.shape[1], ssm_state.shape[2]
     window = torch.cat([conv_state[slot_ids], xBC.transpose(1, 2).to(conv_state.dtype)], dim=-1)  # (B, C, W-1+K)
     x, Bg, Cg = split_xbc(conv_silu_ref(window, conv_weight, conv_bias), H, P, n_groups)  # (B, K, ...) fp32
