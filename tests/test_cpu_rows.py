@@ -3,10 +3,10 @@
 The Mamba verify (graph_ops.mamba_verify, its recurrence in C++) against the torch reference mamba_verify_ref: the
 stash's rows a commit reads and the states bit for bit (the last row goes to the live state only), y to 1e-4, the
 slots it must not touch unchanged; the prompt scan (graph_ops.mamba_scan) against mamba_scan_ref; the kernel alone
-computes every row as a one-row call does. The cache writes (kv_write) and the commit (commit_state) against torch's indexing and
-commit_state_ref. The attention of a verify's rows (graph_ops.attention_verify: kv_write, then attend) against
-attention_verify_ref, attend alone against float64 over the rows each query sees, a row the same in any call. The
-products of few rows by a packed weight (rows_mm) against float64, a row the same in any call, the linears of a
+computes every row as a one-row call does. The cache writes (kv_write) and the commit (commit_state) against torch's
+indexing and commit_state_ref. The attention of a verify's rows (graph_ops.attention_verify: kv_write, then attend)
+against attention_verify_ref, attend alone against float64 over the rows each query sees, a row the same in any call.
+The products of few rows by a packed weight (rows_mm) against float64, a row the same in any call, the linears of a
 network packed (pack_linears) against ATen's, and the block the packed copies share (on_huge_pages)."""
 import gc
 import mmap

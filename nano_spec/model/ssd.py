@@ -41,7 +41,7 @@ def mamba_scan_chunked(xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, n_gro
     """Same contract as nano_spec_kernels.mamba_scan.mamba_scan_ref: xBC (T, C) conv inputs, dt (T, H) raw time steps;
     conv_weight (C, W), conv_bias (C,) or None, dt_bias, A_log, D (H,)
     -> (y (T, H, P) in xBC's dtype, ssm_state (H, P, N) fp32, conv_window (C, W-1))."""
-    T, Cdim = xBC.shape
+    T = xBC.shape[0]
     H, W = dt.shape[-1], conv_weight.shape[-1]
     # The state is fp32 whatever the weights (docs/DESIGN.md §2), so autocast must not lower these matmuls.
     with torch.autocast(xBC.device.type, enabled=False):
