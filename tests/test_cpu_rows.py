@@ -20,7 +20,8 @@ from helpers import assert_close, assert_unchanged, tiny_model
 from nano_spec.model.cpu_rows import (DRAFT_ROWS_MAX, HUGE_PAGE, ROWS_MAX, RowsLinear, attend, attend_block,
                                       commit_state, kv_write, linear, mamba_scan_rows, mamba_write, on_huge_pages,
                                       pack_linears, pack_rows, rows_mm)
-from nano_spec.model.graph_ops import attention_block, attention_verify, mamba_scan, mamba_verify
+from nano_spec.model.graph_ops import attention_block, attention_prefill, attention_verify, mamba_scan, mamba_verify
+from nano_spec_kernels.attention_prefill import attention_prefill_ref
 from nano_spec_kernels.attention_verify import _attend_ref, attention_block_ref, attention_verify_ref
 from nano_spec_kernels.mamba_scan import mamba_scan_ref
 from nano_spec_kernels.mamba_verify import mamba_verify_ref
@@ -260,6 +261,25 @@ def test_attend_threads_share_the_rows_and_change_no_sum():
         torch.set_num_threads(before)
     assert_unchanged("two threads against one", one[0], two[0])
     assert_unchanged("two threads against one, with own rows", one[1], two[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("T,rope", [(1, None), (37, 10000.0)], ids=["T1-nope", "T37-rope"])
+def test_prompt_attention_equals_the_reference(T, rope, dtype):
+    """A compiled engine's prompt attention (graph_ops.attention_prefill, SDPA) against attention_prefill_ref: the
+    cache rows bit for bit, the other slots and rows untouched, the output to fp32 rounding."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(T, h, 12, generator=g).to(dtype) for h in (4, 2, 2))  # GQA: 2 query heads a KV head
+    caches = [torch.randn(3, T + 5, 2, 12, generator=g).to(dtype).expand(2, -1, -1, -1, -1).clone()
+              for _ in range(2)]  # k, v: (ref|out, S, L, Hkv, Dh), the two copies alike
+    before = [c.clone() for c in caches]
+    ref = attention_prefill_ref(q, k, v, caches[0][0], caches[1][0], 1, 0.3, rope)
+    out = attention_prefill(q, k, v, caches[0][1], caches[1][1], 1, 0.3, rope)
+    assert_close("o", ref, out, atol=1e-4 if dtype == torch.float32 else 1e-2)  # bf16: one rounding of o
+    for name, c, b in zip(("k_cache", "v_cache"), caches, before):
+        assert_unchanged(name, c[0], c[1])
+        assert_unchanged(f"{name}: other slots and rows", b[1][[0, 2]], c[1][[0, 2]])
+        assert_unchanged(f"{name}: rows past the prompt", b[1][1, T:], c[1][1, T:])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
