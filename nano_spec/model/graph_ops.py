@@ -7,7 +7,8 @@ slice of a cache buffer becomes a copy of the whole buffer and a copy back, ever
 cache leaves it too (cpu_rows' `attend`, which reads the rows each query sees, not the graph's static KV length).
 No graph may hold commit_state_ref, which finds the rows that move with a host sync: a compiled step commits with
 cpu_rows' `commit_state`, a CUDA graph of the torch backend with `commit_rows` below. A compiled CPU step's
-products of a few rows by a weight are cpu_rows' too (`pack_linears`).
+products of a few rows by a weight are cpu_rows' too (`pack_linears`). A compiled engine's prompts, which run eager
+beside the graphs, scan in C++ (`mamba_scan`) and attend through torch's fused attention (`attention_prefill`).
 """
 import torch
 import torch.nn.functional as F
