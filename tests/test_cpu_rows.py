@@ -18,8 +18,8 @@ import torch.nn.functional as F
 
 from helpers import assert_close, assert_unchanged, tiny_model
 from nano_spec.model.cpu_rows import (DRAFT_ROWS_MAX, HUGE_PAGE, ROWS_MAX, RowsLinear, attend, attend_block,
-                                      commit_state, kv_write, linear, mamba_scan_rows, mamba_write, on_huge_pages,
-                                      pack_linears, pack_rows, rows_mm)
+                                      commit_state, conv_rows, kv_write, linear, mamba_scan_rows, mamba_write,
+                                      on_huge_pages, pack_linears, pack_rows, rows_mm)
 from nano_spec.model.graph_ops import attention_block, attention_prefill, attention_verify, mamba_scan, mamba_verify
 from nano_spec_kernels.attention_prefill import attention_prefill_ref
 from nano_spec_kernels.attention_verify import _attend_ref, attention_block_ref, attention_verify_ref
@@ -137,6 +137,20 @@ def test_prompt_scan_matches_the_recurrent_reference(shape, bias):
     assert_close("y", ref[0], out[0])
     assert_unchanged("ssm_state", ref[1], out[1])
     assert_unchanged("conv window", ref[2], out[2])
+
+
+@pytest.mark.parametrize("T,dtype", [(2, torch.float32), (37, torch.float32), (37, torch.bfloat16)],
+                         ids=["T2-short-of-the-window", "T37", "T37-bf16"])
+def test_prompt_conv_equals_shifted_sums(T, dtype):
+    """conv_rows, a prompt's causal conv from a zero window, against W shifted multiply-adds in torch, bit for bit;
+    a bias of the wrong size is refused."""
+    C, W = 21, 4
+    x, w, bias = torch.randn(T, C).to(dtype), torch.randn(C, W), torch.randn(C)
+    xpad = F.pad(x.float(), (0, 0, W - 1, 0))  # (W-1+T, C)
+    ref = sum(xpad[k:k + T] * w[:, k] for k in range(W)) + bias
+    assert_unchanged("conv", ref, conv_rows(x, w, bias))
+    with pytest.raises(ValueError, match=r"conv_rows: x must be \(T, C\), weight \(C, W\) and bias \(C,\)"):
+        conv_rows(x, w, bias[:-1])
 
 
 def test_prompt_scan_threads_share_the_heads_and_change_no_sum():

@@ -4,9 +4,11 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/ops/linear.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -336,6 +338,28 @@ Tensor mamba_write(const Tensor &conv_state, const Tensor &ssm_state, const Tens
   return y;
 }
 
+Tensor conv_rows(const Tensor &x, const Tensor &weight, const Tensor &bias) {
+  TORCH_CHECK_VALUE(x.dim() == 2 && weight.dim() == 2 && bias.dim() == 1 && weight.size(0) == x.size(1) &&
+                        bias.size(0) == x.size(1),
+                    "conv_rows: x must be (T, C), weight (C, W) and bias (C,)");
+  int64_t T = x.size(0), C = x.size(1), W = weight.size(1);
+  Tensor xf = x.to(at::kFloat).contiguous(), wt = weight.to(at::kFloat).t().contiguous();
+  Tensor bf = bias.to(at::kFloat).contiguous(), y = at::zeros({T, C}, x.options().dtype(at::kFloat));
+  const float *xp = xf.data_ptr<float>(), *wp = wt.data_ptr<float>(), *bp = bf.data_ptr<float>();
+  float *yp = y.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; t++) {
+      float *o = yp + t * C;
+      for (int64_t k = std::max<int64_t>(0, W - 1 - t); k < W; k++) {  // tap k reads row t - (W-1) + k; none before 0
+        const float *xi = xp + (t - W + 1 + k) * C, *wk = wp + k * C;
+        for (int64_t c = 0; c < C; c++) o[c] += xi[c] * wk[c];
+      }
+      for (int64_t c = 0; c < C; c++) o[c] += bp[c];
+    }
+  });
+  return y;
+}
+
 Tensor mamba_scan_rows(const Tensor &state, const Tensor &decay, const Tensor &u, const Tensor &B, const Tensor &C) {
   TORCH_CHECK_VALUE(u.dim() == 3 && B.dim() == 3 && C.dim() == 3 && decay.dim() == 2 && state.dim() == 3,
                     "mamba_scan_rows: state must be (H, P, N), decay (T, H), u (T, H, P), B and C (T, G, N)");
@@ -483,6 +507,7 @@ TORCH_LIBRARY_IMPL(nano_spec, CPU, m) {
   m.impl("rows_linear", rows_linear);
   m.impl("mamba_write", mamba_write);
   m.impl("mamba_scan_rows", mamba_scan_rows);
+  m.impl("conv_rows", conv_rows);
   m.impl("kv_write", kv_write);
   m.impl("attend", attend);
   m.impl("attend_block", attend_block);

@@ -16,7 +16,8 @@ stays in L1 across the K rows and each row's state is written once: into the sta
 state (a commit rewinds to a row before the last, so the stash's last row is never read). The state's arithmetic is
 the torch reference's (a*S rounded, u*B rounded, then the sum: no fused multiply-add), so the stash and the
 state equal mamba_verify_ref's bit for bit; y sums over N in a fixed order of its own, the same at any K. A compiled
-engine's prompts run the same loop over their T rows (mamba_scan_rows), the state overwritten in place: no stash.
+engine's prompts run the same loop over their T rows (mamba_scan_rows), the state overwritten in place: no stash;
+their conv too (conv_rows).
 
 2. The writes (mamba_write's conv, kv_write, commit_state): row copies (memcpy) into the slots, of any dtype.
 The attention (attend, "Attention over the rows a query sees"): query row (b, j) over its slot's cache rows
@@ -145,6 +146,11 @@ mamba_write = cpu_op(
 # (T, H), u (T, H, P), B and C (T, G, N). Returns y (T, H, P) fp32, without the D x skip. Heads share the threads.
 mamba_scan_rows = cpu_op("mamba_scan_rows(Tensor(a!) state, Tensor decay, Tensor u, Tensor B, Tensor C) -> Tensor",
                          meta=lambda state, decay, u, B, C: torch.empty_like(u, dtype=torch.float32))
+
+# A prompt's causal depthwise conv from a zero window: x (T, C), weight (C, W), bias (C,) -> (T, C) fp32, each row's
+# taps added in order, then the bias (ssd.conv_silu_tokens' sums before its SiLU, bit for bit), rows over the threads
+conv_rows = cpu_op("conv_rows(Tensor x, Tensor weight, Tensor bias) -> Tensor",
+                   meta=lambda x, weight, bias: x.new_empty(x.shape, dtype=torch.float32))
 
 # ---- 2. the attention rows and the commit ------------------------------------------------------------------------
 # rows k, v (B, K, Hkv, Dh) into the caches (S, L, Hkv, Dh) at slots slot_ids (B,), positions pos (B, K)

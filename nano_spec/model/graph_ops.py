@@ -14,8 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from nano_spec.model.cpu_rows import attend, attend_block, commit_state, kv_write, library, mamba_scan_rows, mamba_write
-from nano_spec.model.ssd import conv_silu_tokens, last_window
+from nano_spec.model.cpu_rows import (attend, attend_block, commit_state, conv_rows, kv_write, library, mamba_scan_rows,
+                                      mamba_write)
+from nano_spec.model.ssd import last_window
 from nano_spec_kernels.common import apply_rope_ref, conv_silu_ref, mamba_dt_ref, split_xbc
 
 
@@ -36,11 +37,13 @@ def mamba_verify(xBC, dt, conv_state, ssm_state, slot_ids, conv_weight, conv_bia
 
 def mamba_scan(xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, n_groups: int, head_dim: int,
                dt_limit=(0.0, float("inf"))):
-    """mamba_scan_ref's contract for a compiled engine's prompts (run eager, outside the graphs): the conv and dt in
-    torch, the T rows' recurrence in C++, each head's state in L1 across the rows, in place of chunked SSD, whose
-    small matmuls and (c, H, l, l) decays cost ~10x their arithmetic on a CPU (docs/DESIGN.md §12)."""
+    """mamba_scan_ref's contract for a compiled engine's prompts (run eager, outside the graphs): the conv and the T
+    rows' recurrence in C++, each head's state in L1 across the rows, in place of chunked SSD, whose small matmuls
+    and (c, H, l, l) decays cost ~10x their arithmetic on a CPU (docs/DESIGN.md §12); dt and the SiLU in torch."""
     H = dt.shape[-1]
-    x, Bg, Cg = split_xbc(conv_silu_tokens(xBC, conv_weight, conv_bias), H, head_dim, n_groups)  # (T, ...) fp32
+    bias = conv_bias if conv_bias is not None else conv_weight.new_zeros(conv_weight.shape[0])
+    xbc = F.silu(conv_rows(xBC, conv_weight, bias), inplace=True)  # (T, C) fp32
+    x, Bg, Cg = split_xbc(xbc, H, head_dim, n_groups)  # (T, ...)
     dt = mamba_dt_ref(dt, dt_bias, dt_limit)  # (T, H)
     decay = torch.exp(dt * -torch.exp(A_log.float()))  # (T, H)
     state = torch.zeros(H, head_dim, Bg.shape[-1], dtype=torch.float32, device=xBC.device)  # (H, P, N)
