@@ -139,13 +139,15 @@ def test_prompt_scan_matches_the_recurrent_reference(shape, bias):
     assert_unchanged("conv window", ref[2], out[2])
 
 
-@pytest.mark.parametrize("T,dtype", [(2, torch.float32), (37, torch.float32), (37, torch.bfloat16)],
-                         ids=["T2-short-of-the-window", "T37", "T37-bf16"])
-def test_prompt_conv_equals_shifted_sums(T, dtype):
-    """conv_rows, a prompt's causal conv from a zero window, against W shifted multiply-adds in torch, bit for bit;
-    a bias of the wrong size is refused."""
+@pytest.mark.parametrize("T,dtype,cols", [(2, torch.float32, 21), (37, torch.float32, 21), (37, torch.bfloat16, 21),
+                                          (37, torch.float32, 30)],
+                         ids=["T2-short-of-the-window", "T37", "T37-bf16", "T37-columns-of-wider-rows"])
+def test_prompt_conv_equals_shifted_sums(T, dtype, cols):
+    """conv_rows, a prompt's causal conv from a zero window, against W shifted multiply-adds in torch, bit for bit
+    (x also as the first C columns of wider rows, as a prompt's xBC is of its in_proj's); a bias of the wrong size is
+    refused."""
     C, W = 21, 4
-    x, w, bias = torch.randn(T, C).to(dtype), torch.randn(C, W), torch.randn(C)
+    x, w, bias = torch.randn(T, cols).to(dtype)[:, :C], torch.randn(C, W), torch.randn(C)
     xpad = F.pad(x.float(), (0, 0, W - 1, 0))  # (W-1+T, C)
     ref = sum(xpad[k:k + T] * w[:, k] for k in range(W)) + bias
     assert_unchanged("conv", ref, conv_rows(x, w, bias))

@@ -343,7 +343,9 @@ Tensor conv_rows(const Tensor &x, const Tensor &weight, const Tensor &bias) {
                         bias.size(0) == x.size(1),
                     "conv_rows: x must be (T, C), weight (C, W) and bias (C,)");
   int64_t T = x.size(0), C = x.size(1), W = weight.size(1);
-  Tensor xf = x.to(at::kFloat).contiguous(), wt = weight.to(at::kFloat).t().contiguous();
+  Tensor xf = x.to(at::kFloat), wt = weight.to(at::kFloat).t().contiguous();
+  if (xf.stride(1) != 1) xf = xf.contiguous();  // a prompt's xBC, columns of its in_proj's rows, is read in place
+  int64_t xs = xf.stride(0);
   Tensor bf = bias.to(at::kFloat).contiguous(), y = at::zeros({T, C}, x.options().dtype(at::kFloat));
   const float *xp = xf.data_ptr<float>(), *wp = wt.data_ptr<float>(), *bp = bf.data_ptr<float>();
   float *yp = y.data_ptr<float>();
@@ -351,7 +353,7 @@ Tensor conv_rows(const Tensor &x, const Tensor &weight, const Tensor &bias) {
     for (int64_t t = t0; t < t1; t++) {
       float *o = yp + t * C;
       for (int64_t k = std::max<int64_t>(0, W - 1 - t); k < W; k++) {  // tap k reads row t - (W-1) + k; none before 0
-        const float *xi = xp + (t - W + 1 + k) * C, *wk = wp + k * C;
+        const float *xi = xp + (t - W + 1 + k) * xs, *wk = wp + k * C;
         for (int64_t c = 0; c < C; c++) o[c] += xi[c] * wk[c];
       }
       for (int64_t c = 0; c < C; c++) o[c] += bp[c];

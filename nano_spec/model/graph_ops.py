@@ -21,6 +21,12 @@ from nano_spec_kernels.common import apply_rope_ref, conv_silu_ref, mamba_dt_ref
 
 
 # ---- 1. Mamba: the conv and dt in the graph, the K-row recurrence and the writes in one op -----------
+def dt_and_decay(dt, dt_bias, A_log, dt_limit):
+    """Raw time steps (..., H) -> (dt, the decay a = exp(dt A)) in fp32, A = -exp(A_log): a recurrence's inputs."""
+    dt = mamba_dt_ref(dt, dt_bias, dt_limit)
+    return dt, torch.exp(dt * -torch.exp(A_log.float()))
+
+
 def mamba_verify(xBC, dt, conv_state, ssm_state, slot_ids, conv_weight, conv_bias, dt_bias, A_log, D,
                  ssm_stash, conv_stash, n_groups: int, dt_limit=(0.0, float("inf"))):
     """mamba_verify_ref's contract on the CPU, but for the stash's last row, which no commit reads: written only where
@@ -29,8 +35,7 @@ def mamba_verify(xBC, dt, conv_state, ssm_state, slot_ids, conv_weight, conv_bia
     H, P = ssm_state.shape[1], ssm_state.shape[2]
     window = torch.cat([conv_state[slot_ids], xBC.transpose(1, 2).to(conv_state.dtype)], dim=-1)  # (B, C, W-1+K)
     x, Bg, Cg = split_xbc(conv_silu_ref(window, conv_weight, conv_bias), H, P, n_groups)  # (B, K, ...) fp32
-    dt = mamba_dt_ref(dt, dt_bias, dt_limit)  # (B, K, H)
-    decay = torch.exp(dt * -torch.exp(A_log.float()))  # (B, K, H)
+    dt, decay = dt_and_decay(dt, dt_bias, A_log, dt_limit)  # (B, K, H) each
     y = mamba_write(conv_state, ssm_state, conv_stash, ssm_stash, slot_ids, window, decay, dt[..., None] * x, Bg, Cg)
     return (y + D.float()[:, None] * x).to(xBC.dtype)  # y_j = S_j C_j + D x_j
 
@@ -44,8 +49,7 @@ def mamba_scan(xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, n_groups: int
     bias = conv_bias if conv_bias is not None else conv_weight.new_zeros(conv_weight.shape[0])
     xbc = F.silu(conv_rows(xBC, conv_weight, bias), inplace=True)  # (T, C) fp32
     x, Bg, Cg = split_xbc(xbc, H, head_dim, n_groups)  # (T, ...)
-    dt = mamba_dt_ref(dt, dt_bias, dt_limit)  # (T, H)
-    decay = torch.exp(dt * -torch.exp(A_log.float()))  # (T, H)
+    dt, decay = dt_and_decay(dt, dt_bias, A_log, dt_limit)  # (T, H) each
     state = torch.zeros(H, head_dim, Bg.shape[-1], dtype=torch.float32, device=xBC.device)  # (H, P, N)
     y = mamba_scan_rows(state, decay, dt[..., None] * x, Bg, Cg)  # (T, H, P)
     return (y + D.float()[:, None] * x).to(xBC.dtype), state, last_window(xBC, conv_weight.shape[-1])
