@@ -68,12 +68,16 @@ def rows_inputs(Bsz, K, H, P, N, G):
         torch.randn(Bsz, K, G, N)
 
 
-@pytest.mark.parametrize("K", [2, 4, 5], ids=lambda k: f"K{k}")
-def test_k_rows_equal_k_one_row_calls(K):
+# (B, K, H, P, N, G); the last: 3 MB of stash rows (3 x 4 rows of 256 KB), which mamba_write streams past the caches
+ROWS_CASES = [("K2", (3, 2, 4, 12, 37, 2)), ("K4", (3, 4, 4, 12, 37, 2)), ("K5", (3, 5, 4, 12, 37, 2)),
+              ("K5-stash-streamed", (3, 5, 16, 64, 64, 1))]
+
+
+@pytest.mark.parametrize("Bsz,K,H,P,N,G", [c[1] for c in ROWS_CASES], ids=[c[0] for c in ROWS_CASES])
+def test_k_rows_equal_k_one_row_calls(Bsz, K, H, P, N, G):
     """Row j of a K-row call is what a 1-row call from the state after row j-1 gives, y included, bit for bit:
     y's sum over N runs in the same order whatever K (the kernel's part of spec = plain; the graph's own
     elementwise ops around it are inductor's)."""
-    Bsz, H, P, N, G = 3, 4, 12, 37, 2
     decay, u, Bm, Cm = rows_inputs(Bsz, K, H, P, N, G)
     state = torch.randn(S, H, P, N)
     slots, stash, one_state = slot_ids(Bsz), torch.empty(Bsz, K, H, P, N), state.clone()
@@ -111,6 +115,9 @@ def test_a_slot_out_of_range_is_refused_before_any_write():
         mamba_rows(state, stash, torch.tensor([0, S]), *rows_inputs(Bsz, K, H, P, N, G))
     assert_unchanged("ssm_state", before, state)
     assert not stash.any()
+    with pytest.raises(ValueError, match=r"mamba_write: slot_ids \(B,\), decay \(B, K, H\)"):  # one id short
+        mamba_rows(state, stash, torch.tensor([0]), *rows_inputs(Bsz, K, H, P, N, G))
+    assert_unchanged("ssm_state after the short ids", before, state)
 
 
 def test_a_state_of_another_layout_is_refused():
@@ -238,9 +245,10 @@ def test_kv_write_equals_indexing(dtype):
     assert_unchanged("caches after a refusal", caches, kept)
 
 
-# (B, K, Hq, Hkv, Dh, L): head dims of no vector, one and a rest, three vectors; a cache longer than any row sees
+# (B, K, Hq, Hkv, Dh, L): head dims of no vector, one and a rest, three vectors, four (the shipped model's) over
+# several blocks of 16 rows and a part of one; a cache longer than any row sees
 ATTEND_CASES = [("Dh12-rep2", (3, 4, 4, 2, 12, 23)), ("Dh37-one-query-head", (2, 3, 1, 1, 37, 40)),
-                ("Dh48-rep3-one-row", (3, 1, 6, 2, 48, 70))]
+                ("Dh48-rep3-one-row", (3, 1, 6, 2, 48, 70)), ("Dh64-rep2-blocks", (2, 4, 4, 2, 64, 75))]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
@@ -320,10 +328,11 @@ def test_graph_attention_equals_the_reference(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_graph_block_attention_equals_the_reference(dtype):
+@pytest.mark.parametrize("Dh,L,Kb", [(12, 17, 4), (64, 37, 9)], ids=["Dh12", "Dh64-rows-across-blocks"])
+def test_graph_block_attention_equals_the_reference(Dh, L, Kb, dtype):
     """graph_ops.attention_block: a block drafter's rows over their slot's context rows (one with none) and their
     own block, against attention_block_ref; the caches are only read."""
-    Bsz, Kb, Hq, Hkv, Dh, L = 3, 4, 4, 2, 12, 17
+    Bsz, Hq, Hkv = 3, 4, 2
     caches = torch.randn(2, S, L, Hkv, Dh, dtype=dtype)
     q, k, v = torch.randn(Bsz, Kb, Hq, Dh, dtype=dtype), *torch.randn(2, Bsz, Kb, Hkv, Dh, dtype=dtype)
     slots, ctx_lens, kept = slot_ids(Bsz), torch.tensor([0, 9, L]), caches.clone()

@@ -2,6 +2,9 @@
 // this file once per machine and torch, and explains the math; the schemas and meta functions are in Python
 // (cpu_rows.py, graph_ops.py). A kernel here costs ~1.6 us of dispatch from a graph, a Python one ~10.
 #include <ATen/Parallel.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
@@ -25,6 +28,15 @@ typedef float lanes8 __attribute__((vector_size(32)));
 typedef uint16_t lanes16 __attribute__((vector_size(32), aligned(2)));  // 16 bf16
 typedef uint32_t lanes32 __attribute__((vector_size(64)));
 inline lanes load16(const float *p) { return *(const lanes *)p; }
+inline void stream16(float *p, lanes v) {  // a store that passes the caches by (p 64-byte aligned)
+#ifdef __AVX512F__
+  __m512 m;
+  std::memcpy(&m, &v, sizeof m);
+  _mm512_stream_ps(p, m);
+#else
+  *(lanes *)p = v;
+#endif
+}
 inline float sum16(lanes v) {  // halves added as a tree: a fixed order, 4 steps deep
   lanes8 lo, hi;
   std::memcpy(&lo, &v, sizeof lo);
@@ -37,53 +49,70 @@ inline float sum16(lanes v) {  // halves added as a tree: a fixed order, 4 steps
 // ---- 1. the K-row recurrence ---------------------------------------------------------------------------------
 // Sequence b's head h (group g) over its K rows: S_k = a_k S_{k-1} + u_k B_k, y_k = S_k C_k. Row k's state goes to
 // the stash's row k (stash), or over the state itself (stash null: a prompt's scan, in place); the last row's to
-// `last` if given (a verify's live state, written in place: no commit reads the stash's last row).
+// `last` if given (a verify's live state, written in place: no commit reads the stash's last row). With `run` (P N
+// floats), the stash rows are streamed (stream16) and the state between rows lives in run.
 void mamba_head(const float *decay, const float *u, const float *Bm, const float *Cm, float *state_h, float *stash,
-                float *last, float *y, int64_t b, int64_t h, int64_t K, int64_t H, int64_t G, int64_t P, int64_t N) {
+                float *last, float *run, float *y, int64_t b, int64_t h, int64_t K, int64_t H, int64_t G, int64_t P,
+                int64_t N) {
   const float *prev = state_h;
   int64_t g = h / (H / G);
   for (int64_t k = 0; k < K; k++) {  // row k reads row k-1's state, still in L1
     int64_t bk = b * K + k;
     float a = decay[bk * H + h];
     float *out = k == K - 1 && last ? last : stash ? stash + (bk * H + h) * P * N : state_h;
+    bool streamed = run && stash && out != last;  // a stash row past the caches, the state kept in run
+    float *keep = streamed ? run : out;
     const float *Bn = Bm + (bk * G + g) * N, *Cn = Cm + (bk * G + g) * N;
     for (int64_t p = 0; p < P; p++) {
       float up = u[(bk * H + h) * P + p];
       const float *s = prev + p * N;
-      float *o = out + p * N;
+      float *o = keep + p * N, *so = out + p * N;
       lanes acc = {};
       int64_t n = 0;
       for (; n + 16 <= N; n += 16) {
         lanes v = a * load16(s + n) + up * load16(Bn + n);
         *(lanes *)(o + n) = v;
+        if (streamed) stream16(so + n, v);
         acc += v * load16(Cn + n);
       }
       float sum = sum16(acc);
       for (; n < N; n++) {
         float v = a * s[n] + up * Bn[n];
         o[n] = v;
+        so[n] = v;
         sum += v * Cn[n];
       }
       y[(bk * H + h) * P + p] = sum;
     }
-    prev = out;
+    prev = keep;
   }
 }
 
 // A verify's rows: every sequence b's heads, rows 0..K-2 into the stash, the last row over the live state. A padded
 // batch repeats a slot, and every row must read the state before the step: then all K rows go to the stash and
-// the live states are written last, from it.
+// the live states are written last, from it. A commit reads at most one stash row a sequence, so stash rows of
+// STREAM_BYTES or more a call are streamed past the caches (the state between rows kept in `run`, in L1): written
+// through the caches they would push the weights out of the last-level cache that the next step reads them from
+// (batch 8, γ = 3: 3 MB a layer; docs/DESIGN.md §12)
+#define STREAM_BYTES (2 << 20)
 void mamba_rows(const float *decay, const float *u, const float *Bm, const float *Cm, float *state,
                 int64_t slot_stride, const int64_t *slots, float *stash, float *y,
                 int64_t nb, int64_t K, int64_t H, int64_t G, int64_t P, int64_t N) {
   bool repeats = false;
   for (int64_t b = 0; b < nb; b++)
     for (int64_t e = 0; e < b; e++) repeats |= slots[e] == slots[b];
+  bool stream = !repeats && N % 16 == 0 && reinterpret_cast<uintptr_t>(stash) % 64 == 0 &&
+                nb * (K - 1) * H * P * N * 4 >= STREAM_BYTES;
+  std::vector<float> run(stream ? P * N : 0);
   for (int64_t b = 0; b < nb; b++)
     for (int64_t h = 0; h < H; h++) {
       float *state_h = state + slots[b] * slot_stride + h * P * N;
-      mamba_head(decay, u, Bm, Cm, state_h, stash, repeats ? nullptr : state_h, y, b, h, K, H, G, P, N);
+      mamba_head(decay, u, Bm, Cm, state_h, stash, repeats ? nullptr : state_h, stream ? run.data() : nullptr, y, b,
+                 h, K, H, G, P, N);
     }
+#ifdef __AVX512F__
+  if (stream) _mm_sfence();
+#endif
   if (repeats)
     for (int64_t b = 0; b < nb; b++)
       std::memcpy(state + slots[b] * slot_stride, stash + ((b * K + K - 1) * H) * P * N,
@@ -172,11 +201,14 @@ void rows_mm_loop(const float *x, const W *w, float *y, int64_t M, int64_t Kd, i
 // ---- 3. attention of a step's rows over a slot's cache ------------------------------------------------------------
 // Query row (b, j), head h (KV head h / rep) sees the slot's cache rows 0 .. pos[b, j] and then the E rows of its
 // sequence's own (a block drafter's block: E = 0 for a verify, whose rows are in the cache by then):
-//     s_l = scale q.k_l,   p_l = exp(s_l - max s) / sum exp(s - max s),   o = sum_l p_l v_l
-// over exactly those rows, whatever the cache's length. Each query row is computed alone, in one order, so a row
-// comes out the same, bit for bit, in a 1-row and in a K-row call (and in any batch). The head dim Dh is DV
-// vectors of 16 lanes and a rest of fewer, DV <= ATTEND_DV: the row's q and o stay in vector registers.
+//     s_l = scale q.k_l,   e_l = exp(s_l - max s),   o = (sum_l e_l v_l) / sum_l e_l
+// over exactly those rows, whatever the cache's length. The query rows that read one KV head of one sequence (its
+// K rows times the head's rep query heads) go through the rows together, 16 at a time, so a block of keys or values
+// comes from memory once and then from L1 for each of them. Yet each row's sums run over its own rows in one order,
+// fixed by the rows' indices alone, so a row comes out the same, bit for bit, in a 1-row and in a K-row call (and
+// in any batch). The head dim Dh is DV vectors of 16 lanes and a rest of fewer, DV <= ATTEND_DV.
 #define ATTEND_DV 16  // Dh up to 16 * 17 - 1
+#define KEYS 16       // rows a block: one vector of scores
 inline float widen(float v) { return v; }
 inline float widen(uint16_t v) {  // a bf16 value is the top half of its fp32
   uint32_t bits = uint32_t(v) << 16;
@@ -197,47 +229,157 @@ inline lanes load16(const uint16_t *p) {
   return f;
 }
 
-// The rows a query sees, in two runs row_stride apart: the cache's (run 0), then its sequence's own (run 1)
+typedef int32_t ints __attribute__((vector_size(64)));
+
+// 16 dot products' lanes summed at once, lane i the sum of d[i]'s 16 lanes, in sum16's tree (halves, quarters, ..):
+// a transpose in four rounds of shuffles instead of a horizontal sum per row
+inline lanes sum16x16(const lanes *d) {
+  lanes t[8], u[4], w[2];
+  for (int i = 0; i < 8; i++)
+    t[i] = __builtin_shufflevector(d[2 * i], d[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(d[2 * i], d[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; i++)
+    u[i] = __builtin_shufflevector(t[2 * i], t[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(t[2 * i], t[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int i = 0; i < 2; i++)
+    w[i] = __builtin_shufflevector(u[2 * i], u[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(u[2 * i], u[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(w[0], w[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(w[0], w[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+// exp(x) in 16 lanes, within ~2 ulp, for x <= 0 (a score less its row's top): 2^n exp(r) with n = round(x log2 e)
+// and r = x - n ln 2 (ln 2 in two parts), exp(r) by Cephes' expf polynomial, 2^n made in the exponent bits. Below
+// -87, where exp leaves fp32's normal range, 0: next to the top row's 1 such a weight adds nothing.
+inline lanes exp16(lanes x) {
+  const lanes zero = {}, low = zero - 87.0f, round = zero + 12582912.0f;  // 1.5 * 2^23: adding it rounds
+  ints under = x < low;
+  x = under ? low : x;
+  lanes n = (x * 1.44269504f + round) - round;
+  lanes r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+  lanes p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = (p * (r * r) + r) + 1.0f;
+  ints bits = (__builtin_convertvector(n, ints) + 127) << 23;
+  lanes two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  return under ? zero : p * two_n;
+}
+
+// The rows the query rows of one (sequence, KV head) see, in two runs row_stride apart: the cache's, of which row r
+// sees count[r], then the sequence's own, E, which every row sees after its cache rows
 template <class T>
 struct Seen {
   const T *keys[2], *vals[2];
-  int64_t count[2], row_stride;
+  int64_t E, row_stride;
 };
 
+// R query rows (q_rows[r]: its Dh values, o_rows[r]: its output) over the rows they see: their scores block by block
+// (scores: R rows of span), each row's e_l and total, then their outputs block by block (acc: R rows of Dh)
 template <int DV, class T>
-void attend_row(const float *q, const Seen<T> &seen, int64_t Dh, float scale, float *scores, float *o) {
+FUSED void attend_group(const float *const *q_rows, float *const *o_rows, const int64_t *count, int64_t R,
+                        const Seen<T> &seen, int64_t Dh, float scale, float *scores, int64_t span, float *acc) {
   constexpr int NV = DV > 0 ? DV : 1;
-  lanes qv[NV], acc[NV] = {};
-  float rest[16] = {0}, top = -INFINITY, total = 0;
-  int64_t n = seen.count[0] + seen.count[1];
-  for (int v = 0; v < DV; v++) qv[v] = load16(q + 16 * v);
-  for (int part = 0, l = 0; part < 2; part++)  // s_l: Dh in 16 lanes summed as a tree, then the rest in order
-    for (int64_t i = 0; i < seen.count[part]; i++, l++) {
-      const T *k = seen.keys[part] + i * seen.row_stride;
-      float s = 0;
-      if constexpr (DV > 0) {
-        lanes dot = qv[0] * load16(k);
-        for (int v = 1; v < DV; v++) dot += qv[v] * load16(k + 16 * v);
-        s = sum16(dot);
+  const lanes zero = {};
+  for (int part = 0; part < 2; part++) {  // 1. s_l = scale q.k_l: Dh's vectors, their 16 lanes as a tree, the rest
+    int64_t most = part ? seen.E : 0;
+    for (int64_t r = 0; r < R && !part; r++) most = count[r] > most ? count[r] : most;
+    for (int64_t l0 = 0; l0 < most; l0 += KEYS)
+      for (int64_t r = 0; r < R; r++) {
+        int64_t m = (part ? seen.E : count[r]) - l0, at = part ? count[r] + l0 : l0;  // rows of the block, score index
+        if (m <= 0) continue;
+        m = m < KEYS ? m : KEYS;
+        const float *q = q_rows[r];
+        const T *k = seen.keys[part] + l0 * seen.row_stride;
+        lanes d[KEYS], qv[NV];
+        float s[KEYS];
+        for (int v = 0; v < DV; v++) qv[v] = load16(q + 16 * v);
+        if (m == KEYS) {  // a whole block: its 16 sums unrolled in registers
+#pragma GCC unroll 16
+          for (int i = 0; i < KEYS; i++) {
+            d[i] = zero;
+            for (int v = 0; v < DV; v++) d[i] += qv[v] * load16(k + i * seen.row_stride + 16 * v);
+          }
+        } else {
+          for (int i = 0; i < KEYS; i++) {  // rows past the block's m: zeros, their sums unused
+            d[i] = zero;
+            if (i < m)
+              for (int v = 0; v < DV; v++) d[i] += qv[v] * load16(k + i * seen.row_stride + 16 * v);
+          }
+        }
+        lanes sums = DV > 0 ? sum16x16(d) : zero;
+        std::memcpy(s, &sums, sizeof s);
+        float *out = scores + r * span + at;
+        for (int i = 0; i < m; i++) {
+          for (int64_t c = 16 * DV; c < Dh; c++) s[i] += q[c] * widen(k[i * seen.row_stride + c]);
+          out[i] = s[i] * scale;
+        }
       }
-      for (int64_t d = 16 * DV; d < Dh; d++) s += q[d] * widen(k[d]);
-      scores[l] = s * scale;
-      top = scores[l] > top ? scores[l] : top;
+  }
+  for (int64_t r = 0; r < R; r++) {  // 2. e_l = exp(s_l - top) over the row's scores, and their total
+    float *s = scores + r * span, top = -INFINITY;
+    int64_t n = count[r] + seen.E, l = 0;
+    lanes tops = zero - INFINITY;  // the max in 16 lanes, then over them: any order gives the same max
+    for (; l + KEYS <= n; l += KEYS) tops = tops > load16(s + l) ? tops : load16(s + l);
+    for (int i = 0; i < KEYS; i++) top = tops[i] > top ? tops[i] : top;
+    for (; l < n; l++) top = s[l] > top ? s[l] : top;
+    lanes total = zero;
+    for (l = 0; l < n; l += KEYS) {
+      lanes x;
+      if (n - l >= KEYS) {
+        x = load16(s + l);
+      } else {  // the last rows, the lanes past them -inf (their e 0)
+        float tail[KEYS];
+        for (int i = 0; i < KEYS; i++) tail[i] = l + i < n ? s[l + i] : -INFINITY;
+        std::memcpy(&x, tail, sizeof x);
+      }
+      lanes e = exp16(x - top);
+      total += e;
+      std::memcpy(s + l, &e, (n - l < KEYS ? n - l : KEYS) * sizeof(float));
     }
-  for (int64_t l = 0; l < n; l++) total += scores[l] = std::exp(scores[l] - top);
-  for (int part = 0, l = 0; part < 2; part++)  // o: each lane's sum over the rows in order
-    for (int64_t i = 0; i < seen.count[part]; i++, l++) {
-      const T *val = seen.vals[part] + i * seen.row_stride;
-      float p = scores[l] / total;
-      for (int v = 0; v < DV; v++) acc[v] += p * load16(val + 16 * v);
-      for (int64_t d = 16 * DV; d < Dh; d++) rest[d - 16 * DV] += p * widen(val[d]);
-    }
-  std::memcpy(o, acc, DV * sizeof(lanes));
-  std::memcpy(o + 16 * DV, rest, (Dh - 16 * DV) * sizeof(float));
+    float *a = acc + r * (Dh + 1);
+    std::fill(a, a + Dh, 0.0f);
+    a[Dh] = sum16(total);  // acc's rows are Dh + 1 long: the total last
+  }
+  for (int part = 0; part < 2; part++) {  // 3. o = sum_l e_l v_l: even and odd rows of a block summed apart, then added
+    int64_t most = part ? seen.E : 0;
+    for (int64_t r = 0; r < R && !part; r++) most = count[r] > most ? count[r] : most;
+    for (int64_t l0 = 0; l0 < most; l0 += KEYS)
+      for (int64_t r = 0; r < R; r++) {
+        int64_t m = (part ? seen.E : count[r]) - l0, at = part ? count[r] + l0 : l0;
+        if (m <= 0) continue;
+        m = m < KEYS ? m : KEYS;
+        const float *e = scores + r * span + at;
+        const T *val = seen.vals[part] + l0 * seen.row_stride;
+        float *a = acc + r * (Dh + 1);
+        lanes even[NV], odd[NV];
+        for (int v = 0; v < DV; v++) even[v] = odd[v] = zero;
+        int i = 0;
+#pragma GCC unroll 8
+        for (; i + 1 < m; i += 2)
+          for (int v = 0; v < DV; v++) {
+            even[v] += e[i] * load16(val + i * seen.row_stride + 16 * v);
+            odd[v] += e[i + 1] * load16(val + (i + 1) * seen.row_stride + 16 * v);
+          }
+        for (; i < m; i++)
+          for (int v = 0; v < DV; v++) even[v] += e[i] * load16(val + i * seen.row_stride + 16 * v);
+        for (int v = 0; v < DV; v++) *(lanes *)(a + 16 * v) = load16(a + 16 * v) + (even[v] + odd[v]);
+        for (int64_t c = 16 * DV; c < Dh; c++)
+          for (int j = 0; j < m; j++) a[c] += e[j] * widen(val[j * seen.row_stride + c]);
+      }
+  }
+  for (int64_t r = 0; r < R; r++) {  // 4. o = acc / total
+    const float *a = acc + r * (Dh + 1);
+    for (int64_t c = 0; c < Dh; c++) o_rows[r][c] = a[c] / a[Dh];
+  }
 }
 
-// Every query row of the step, the rows shared out over torch's threads (a row's sums are the same whichever
-// thread makes them), each thread with its own scores (span: the most rows a query sees)
+// Every query row of the step, grouped by (sequence, KV head), the groups shared out over torch's threads (a row's
+// sums are the same whichever thread makes them), each thread with its own scores and sums (span: the most rows a
+// query sees)
 template <int DV, class T>
 void attend_rows(const float *q, const T *kc, const T *vc, const T *own_k, const T *own_v, const int64_t *slots,
                  const int64_t *pos, float *o, int64_t nb, int64_t K, int64_t E, int64_t Hq, int64_t Hkv, int64_t Dh,
@@ -246,15 +388,24 @@ void attend_rows(const float *q, const T *kc, const T *vc, const T *own_k, const
     if (Dh / 16 != DV)
       return attend_rows<DV - 1>(q, kc, vc, own_k, own_v, slots, pos, o, nb, K, E, Hq, Hkv, Dh, slot_stride,
                                  row_stride, scale, span);
-  int64_t rep = Hq / Hkv;
-  at::parallel_for(0, nb * K * Hq, 4, [&](int64_t first, int64_t last) {
-    std::vector<float> scores(span);
-    for (int64_t at = first; at < last; at++) {  // at = (b K + j) Hq + h
-      int64_t b = at / (K * Hq), h = at % Hq, head = slots[b] * slot_stride + (h / rep) * Dh;
-      int64_t own = (b * E * Hkv + h / rep) * Dh;  // the sequence's own rows: (B, E, Hkv, Dh), contiguous
-      Seen<T> seen{{kc + head, E ? own_k + own : nullptr}, {vc + head, E ? own_v + own : nullptr},
-                   {pos[at / Hq] + 1, E}, row_stride};
-      attend_row<DV>(q + at * Dh, seen, Dh, scale, scores.data(), o + at * Dh);
+  int64_t rep = Hq / Hkv, R = K * rep;
+  at::parallel_for(0, nb * Hkv, 1, [&](int64_t first, int64_t last) {
+    std::vector<float> scores(R * span), acc(R * (Dh + 1));
+    std::vector<const float *> q_rows(R);
+    std::vector<float *> o_rows(R);
+    std::vector<int64_t> count(R);
+    for (int64_t item = first; item < last; item++) {  // item = b Hkv + g
+      int64_t b = item / Hkv, g = item % Hkv, head = slots[b] * slot_stride + g * Dh;
+      int64_t own = (b * E * Hkv + g) * Dh;  // the sequence's own rows: (B, E, Hkv, Dh), contiguous
+      for (int64_t r = 0; r < R; r++) {  // row r: query row j = r / rep, head g rep + r % rep
+        int64_t j = r / rep, at = (b * K + j) * Hq + g * rep + r % rep;
+        q_rows[r] = q + at * Dh;
+        o_rows[r] = o + at * Dh;
+        count[r] = pos[b * K + j] + 1;
+      }
+      Seen<T> seen{{kc + head, E ? own_k + own : nullptr}, {vc + head, E ? own_v + own : nullptr}, E, row_stride};
+      attend_group<DV>(q_rows.data(), o_rows.data(), count.data(), R, seen, Dh, scale, scores.data(), span,
+                       acc.data());
     }
   });
 }
@@ -319,6 +470,11 @@ Tensor mamba_write(const Tensor &conv_state, const Tensor &ssm_state, const Tens
                         conv_stash.scalar_type() == conv_state.scalar_type(),
                     "mamba_write: conv_state must be (S, C, W-1) with contiguous slots, and window and conv_stash "
                     "(B, C, W-1+K), conv_stash contiguous, all of one dtype");
+  TORCH_CHECK_VALUE(u.dim() == 4 && B.dim() == 4 && slot_ids.numel() == nb &&
+                        decay.sizes() == at::IntArrayRef({nb, K, H}) && B.sizes() == C.sizes() && B.size(0) == nb &&
+                        B.size(1) == K && G > 0 && H % G == 0,
+                    "mamba_write: slot_ids (B,), decay (B, K, H), u (B, K, H, P), and B and C (B, K, G, N) with G "
+                    "dividing H");
   Tensor slots = slot_ids.to(at::kLong).contiguous();
   check_slots("mamba_write", slots, S);  // before anything is written
   Tensor d = decay.to(at::kFloat).contiguous(), uc = u.to(at::kFloat).contiguous();
@@ -379,7 +535,7 @@ Tensor mamba_scan_rows(const Tensor &state, const Tensor &decay, const Tensor &u
               *Cp = Cm.data_ptr<float>();
   at::parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {  // heads are independent: shared out over the threads
     for (int64_t h = h0; h < h1; h++)
-      mamba_head(dp, up, Bp, Cp, s + h * P * N, nullptr, nullptr, yp, 0, h, T, H, G, P, N);
+      mamba_head(dp, up, Bp, Cp, s + h * P * N, nullptr, nullptr, nullptr, yp, 0, h, T, H, G, P, N);
   });
   return y;
 }

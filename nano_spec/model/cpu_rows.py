@@ -13,16 +13,17 @@ For each sequence b and head h of group g = h // (H/G), over the rows k = 1..K o
 Written as torch ops in a compiled graph, each row's state went to a buffer, was read back for y, and copied
 again into the stash: about 4x the bytes of the state per row. Here one head's state (16 KB at the 350m shape)
 stays in L1 across the K rows and each row's state is written once: into the stash, the last row's into the live
-state (a commit rewinds to a row before the last, so the stash's last row is never read). The state's arithmetic is
-the torch reference's (a*S rounded, u*B rounded, then the sum: no fused multiply-add), so the stash and the
-state equal mamba_verify_ref's bit for bit; y sums over N in a fixed order of its own, the same at any K. A compiled
-engine's prompts run the same loop over their T rows (mamba_scan_rows), the state overwritten in place: no stash;
-their conv too (conv_rows).
+state (a commit rewinds to a row before the last, so the stash's last row is never read). A call's stash rows of
+2 MB or more go past the caches (non-temporal stores): through them, they would push the next step's weights out.
+The state's arithmetic is the torch reference's (a*S rounded, u*B rounded, then the sum: no fused multiply-add), so
+the stash and the state equal mamba_verify_ref's bit for bit; y sums over N in a fixed order of its own, the same
+at any K. A compiled engine's prompts run the same loop over their T rows (mamba_scan_rows), the state overwritten
+in place: no stash; their conv too (conv_rows).
 
 2. The writes (mamba_write's conv, kv_write, commit_state): row copies (memcpy) into the slots, of any dtype.
 The attention (attend, "Attention over the rows a query sees"): query row (b, j) over its slot's cache rows
-0..pos[b, j], the count read inside the op, so a graph's static KV length costs nothing; each row alone, in one
-order, the same bit for bit in any call.
+0..pos[b, j], the count read inside the op, so a graph's static KV length costs nothing; the rows that share a KV
+head read each block of the cache once, each row's sums in one order of its own, the same bit for bit in any call.
 
 3. The products (rows_linear, "K rows by a packed weight"): y (M, N) = x (M, K) W^T for M <= ROWS_MAX rows. ATen's
 GEMM copies the weight blocks it reads on every call and runs 4 rows at ~3x the time of one; here the weight is
