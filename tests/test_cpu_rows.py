@@ -271,6 +271,21 @@ def test_attend_matches_float64(shape, dtype):
                                                                    pos[:, j:j + 1], 0.3))
 
 
+def test_views_of_a_fused_qkv_are_read_in_place():
+    """q, k and v as a step has them, views of one fused (B, K, Hq + 2 Hkv, Dh) product: kv_write and attend give
+    what they give for contiguous copies, bit for bit."""
+    Bsz, K, Hq, Hkv, Dh, L = 3, 2, 4, 2, 20, 30
+    qkv = torch.randn(Bsz, K, Hq + 2 * Hkv, Dh)
+    q, k, v = qkv.split([Hq, Hkv, Hkv], dim=2)
+    slots, pos = slot_ids(Bsz), torch.tensor([[3, 4], [17, 18], [27, 28]])
+    caches = torch.randn(2, S, L, Hkv, Dh)
+    views, copies = caches.clone(), caches.clone()
+    kv_write(views[0], views[1], slots, pos, k, v)
+    kv_write(copies[0], copies[1], slots, pos, k.contiguous(), v.contiguous())
+    assert_unchanged("caches", copies, views)
+    assert_unchanged("o", attend(q.contiguous(), *copies, slots, pos, 0.3), attend(q, *views, slots, pos, 0.3))
+
+
 def test_attend_threads_share_the_rows_and_change_no_sum():
     """attend over two threads (24 query rows and heads shared out) gives the one-thread output bit for bit, a
     block's own rows too."""

@@ -379,15 +379,15 @@ FUSED void attend_group(const float *const *q_rows, float *const *o_rows, const 
 
 // Every query row of the step, grouped by (sequence, KV head), the groups shared out over torch's threads (a row's
 // sums are the same whichever thread makes them), each thread with its own scores and sums (span: the most rows a
-// query sees)
+// query sees); q read through its strides, o (B, K, Hq, Dh) contiguous
 template <int DV, class T>
-void attend_rows(const float *q, const T *kc, const T *vc, const T *own_k, const T *own_v, const int64_t *slots,
-                 const int64_t *pos, float *o, int64_t nb, int64_t K, int64_t E, int64_t Hq, int64_t Hkv, int64_t Dh,
-                 int64_t slot_stride, int64_t row_stride, float scale, int64_t span) {
+void attend_rows(const float *q, const int64_t *q_strides, const T *kc, const T *vc, const T *own_k, const T *own_v,
+                 const int64_t *slots, const int64_t *pos, float *o, int64_t nb, int64_t K, int64_t E, int64_t Hq,
+                 int64_t Hkv, int64_t Dh, int64_t slot_stride, int64_t row_stride, float scale, int64_t span) {
   if constexpr (DV > 0)
     if (Dh / 16 != DV)
-      return attend_rows<DV - 1>(q, kc, vc, own_k, own_v, slots, pos, o, nb, K, E, Hq, Hkv, Dh, slot_stride,
-                                 row_stride, scale, span);
+      return attend_rows<DV - 1>(q, q_strides, kc, vc, own_k, own_v, slots, pos, o, nb, K, E, Hq, Hkv, Dh,
+                                 slot_stride, row_stride, scale, span);
   int64_t rep = Hq / Hkv, R = K * rep;
   at::parallel_for(0, nb * Hkv, 1, [&](int64_t first, int64_t last) {
     std::vector<float> scores(R * span), acc(R * (Dh + 1));
@@ -398,8 +398,8 @@ void attend_rows(const float *q, const T *kc, const T *vc, const T *own_k, const
       int64_t b = item / Hkv, g = item % Hkv, head = slots[b] * slot_stride + g * Dh;
       int64_t own = (b * E * Hkv + g) * Dh;  // the sequence's own rows: (B, E, Hkv, Dh), contiguous
       for (int64_t r = 0; r < R; r++) {  // row r: query row j = r / rep, head g rep + r % rep
-        int64_t j = r / rep, at = (b * K + j) * Hq + g * rep + r % rep;
-        q_rows[r] = q + at * Dh;
+        int64_t j = r / rep, h = g * rep + r % rep, at = (b * K + j) * Hq + h;
+        q_rows[r] = q + b * q_strides[0] + j * q_strides[1] + h * q_strides[2];  // q (B, K, Hq, Dh), Dh's stride 1
         o_rows[r] = o + at * Dh;
         count[r] = pos[b * K + j] + 1;
       }
@@ -559,11 +559,14 @@ void kv_write(const Tensor &k_cache, const Tensor &v_cache, const Tensor &slot_i
                       ") must lie in [0, ", L, ")");
   int64_t es = k_cache.element_size(), row = k_cache.stride(1) * es, slot = k_cache.stride(0) * es;
   for (auto [cache, rows] : {std::pair{k_cache, k}, std::pair{v_cache, v}}) {
-    Tensor r = rows.to(cache.scalar_type()).contiguous();
+    // a position's Hkv Dh values contiguous in the rows (k and v are views of a fused q/k/v product), or a copy
+    Tensor r = rows.to(cache.scalar_type());
+    if (r.stride(3) != 1 || r.stride(2) != r.size(3)) r = r.contiguous();
     char *dst = static_cast<char *>(cache.data_ptr());
     const char *src = static_cast<const char *>(r.data_ptr());
     for (int64_t i = 0; i < nb * K; i++)
-      std::memcpy(dst + slots.data_ptr<int64_t>()[i / K] * slot + p[i] * row, src + i * row, row);
+      std::memcpy(dst + slots.data_ptr<int64_t>()[i / K] * slot + p[i] * row,
+                  src + ((i / K) * r.stride(0) + (i % K) * r.stride(1)) * es, row);
   }
 }
 
@@ -586,7 +589,8 @@ Tensor attend_rows_of(const Tensor &q, const Tensor &k_cache, const Tensor &v_ca
                         pos.sizes() == q.sizes().slice(0, 2) && slot_ids.numel() == nb,
                     "attend: q (B, K, Hq, Dh) fp32, caches (S, L, Hkv, Dh) of one float dtype with each position's "
                     "rows contiguous and Dh below ", 16 * (ATTEND_DV + 1), ", pos (B, K), own rows (B, E, Hkv, Dh)");
-  Tensor slots = slot_ids.to(at::kLong).contiguous(), at_pos = pos.to(at::kLong).contiguous(), qc = q.contiguous();
+  Tensor slots = slot_ids.to(at::kLong).contiguous(), at_pos = pos.to(at::kLong).contiguous();
+  Tensor qc = q.stride(3) == 1 ? q : q.contiguous();  // q may be a view of a fused q/k/v product: read in place
   Tensor ko = own ? k_own->to(dtype).contiguous() : Tensor(), vo = own ? v_own->to(dtype).contiguous() : Tensor();
   check_slots("attend", slots, S);
   const int64_t *p = at_pos.data_ptr<int64_t>();
@@ -600,9 +604,9 @@ Tensor attend_rows_of(const Tensor &q, const Tensor &k_cache, const Tensor &v_ca
   auto run = [&](auto *type) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(type)>>;
     auto data = [](const Tensor &t) { return t.defined() ? static_cast<const T *>(t.data_ptr()) : nullptr; };
-    attend_rows<ATTEND_DV>(qc.data_ptr<float>(), data(k_cache), data(v_cache), data(ko), data(vo),
-                           slots.data_ptr<int64_t>(), p, o.data_ptr<float>(), nb, K, E, Hq, Hkv, Dh, k_cache.stride(0),
-                           k_cache.stride(1), float(scale), span);
+    attend_rows<ATTEND_DV>(qc.data_ptr<float>(), qc.strides().data(), data(k_cache), data(v_cache), data(ko),
+                           data(vo), slots.data_ptr<int64_t>(), p, o.data_ptr<float>(), nb, K, E, Hq, Hkv, Dh,
+                           k_cache.stride(0), k_cache.stride(1), float(scale), span);
   };
   switch (dtype) {
     case at::kFloat: run(static_cast<float *>(nullptr)); break;
