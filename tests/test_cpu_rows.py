@@ -245,10 +245,12 @@ def test_kv_write_equals_indexing(dtype):
     assert_unchanged("caches after a refusal", caches, kept)
 
 
-# (B, K, Hq, Hkv, Dh, L): head dims of no vector, one and a rest, three vectors, four (the shipped model's) over
-# several blocks of 16 rows and a part of one; a cache longer than any row sees
+# (B, K, Hq, Hkv, Dh, L): head dims of no vector, one and a rest, three vectors (the vector count read at run time),
+# four (the shipped model's) and eight (compiled unrolled) over several blocks of 16 rows and a part of one; a cache
+# longer than any row sees
 ATTEND_CASES = [("Dh12-rep2", (3, 4, 4, 2, 12, 23)), ("Dh37-one-query-head", (2, 3, 1, 1, 37, 40)),
-                ("Dh48-rep3-one-row", (3, 1, 6, 2, 48, 70)), ("Dh64-rep2-blocks", (2, 4, 4, 2, 64, 75))]
+                ("Dh48-rep3-one-row", (3, 1, 6, 2, 48, 70)), ("Dh64-rep2-blocks", (2, 4, 4, 2, 64, 75)),
+                ("Dh128-rep2-blocks", (2, 3, 2, 1, 128, 40))]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])

@@ -206,7 +206,8 @@ void rows_mm_loop(const float *x, const W *w, float *y, int64_t M, int64_t Kd, i
 // K rows times the head's rep query heads) go through the rows together, 16 at a time, so a block of keys or values
 // comes from memory once and then from L1 for each of them. Yet each row's sums run over its own rows in one order,
 // fixed by the rows' indices alone, so a row comes out the same, bit for bit, in a 1-row and in a K-row call (and
-// in any batch). The head dim Dh is DV vectors of 16 lanes and a rest of fewer, DV <= ATTEND_DV.
+// in any batch). The head dim Dh is nv vectors of 16 lanes and a rest of fewer, nv <= ATTEND_DV; the common head
+// dims (64, 128) have their loops unrolled at compile time, any other runs the same code with nv read at run time.
 #define ATTEND_DV 16  // Dh up to 16 * 17 - 1
 #define KEYS 16       // rows a block: one vector of scores
 inline float widen(float v) { return v; }
@@ -282,7 +283,8 @@ struct Seen {
 template <int DV, class T>
 FUSED void attend_group(const float *const *q_rows, float *const *o_rows, const int64_t *count, int64_t R,
                         const Seen<T> &seen, int64_t Dh, float scale, float *scores, int64_t span, float *acc) {
-  constexpr int NV = DV > 0 ? DV : 1;
+  constexpr int NV = DV > 0 ? DV : ATTEND_DV;
+  const int nv = DV > 0 ? DV : int(Dh / 16);  // DV: the vectors known when compiled, 0: read at run time
   const lanes zero = {};
   for (int part = 0; part < 2; part++) {  // 1. s_l = scale q.k_l: Dh's vectors, their 16 lanes as a tree, the rest
     int64_t most = part ? seen.E : 0;
@@ -296,25 +298,25 @@ FUSED void attend_group(const float *const *q_rows, float *const *o_rows, const 
         const T *k = seen.keys[part] + l0 * seen.row_stride;
         lanes d[KEYS], qv[NV];
         float s[KEYS];
-        for (int v = 0; v < DV; v++) qv[v] = load16(q + 16 * v);
+        for (int v = 0; v < nv; v++) qv[v] = load16(q + 16 * v);
         if (m == KEYS) {  // a whole block: its 16 sums unrolled in registers
 #pragma GCC unroll 16
           for (int i = 0; i < KEYS; i++) {
             d[i] = zero;
-            for (int v = 0; v < DV; v++) d[i] += qv[v] * load16(k + i * seen.row_stride + 16 * v);
+            for (int v = 0; v < nv; v++) d[i] += qv[v] * load16(k + i * seen.row_stride + 16 * v);
           }
         } else {
           for (int i = 0; i < KEYS; i++) {  // rows past the block's m: zeros, their sums unused
             d[i] = zero;
             if (i < m)
-              for (int v = 0; v < DV; v++) d[i] += qv[v] * load16(k + i * seen.row_stride + 16 * v);
+              for (int v = 0; v < nv; v++) d[i] += qv[v] * load16(k + i * seen.row_stride + 16 * v);
           }
         }
-        lanes sums = DV > 0 ? sum16x16(d) : zero;
+        lanes sums = nv > 0 ? sum16x16(d) : zero;
         std::memcpy(s, &sums, sizeof s);
         float *out = scores + r * span + at;
         for (int i = 0; i < m; i++) {
-          for (int64_t c = 16 * DV; c < Dh; c++) s[i] += q[c] * widen(k[i * seen.row_stride + c]);
+          for (int64_t c = 16 * nv; c < Dh; c++) s[i] += q[c] * widen(k[i * seen.row_stride + c]);
           out[i] = s[i] * scale;
         }
       }
@@ -356,18 +358,18 @@ FUSED void attend_group(const float *const *q_rows, float *const *o_rows, const 
         const T *val = seen.vals[part] + l0 * seen.row_stride;
         float *a = acc + r * (Dh + 1);
         lanes even[NV], odd[NV];
-        for (int v = 0; v < DV; v++) even[v] = odd[v] = zero;
+        for (int v = 0; v < nv; v++) even[v] = odd[v] = zero;
         int i = 0;
 #pragma GCC unroll 8
         for (; i + 1 < m; i += 2)
-          for (int v = 0; v < DV; v++) {
+          for (int v = 0; v < nv; v++) {
             even[v] += e[i] * load16(val + i * seen.row_stride + 16 * v);
             odd[v] += e[i + 1] * load16(val + (i + 1) * seen.row_stride + 16 * v);
           }
         for (; i < m; i++)
-          for (int v = 0; v < DV; v++) even[v] += e[i] * load16(val + i * seen.row_stride + 16 * v);
-        for (int v = 0; v < DV; v++) *(lanes *)(a + 16 * v) = load16(a + 16 * v) + (even[v] + odd[v]);
-        for (int64_t c = 16 * DV; c < Dh; c++)
+          for (int v = 0; v < nv; v++) even[v] += e[i] * load16(val + i * seen.row_stride + 16 * v);
+        for (int v = 0; v < nv; v++) *(lanes *)(a + 16 * v) = load16(a + 16 * v) + (even[v] + odd[v]);
+        for (int64_t c = 16 * nv; c < Dh; c++)
           for (int j = 0; j < m; j++) a[c] += e[j] * widen(val[j * seen.row_stride + c]);
       }
   }
@@ -380,14 +382,11 @@ FUSED void attend_group(const float *const *q_rows, float *const *o_rows, const 
 // Every query row of the step, grouped by (sequence, KV head), the groups shared out over torch's threads (a row's
 // sums are the same whichever thread makes them), each thread with its own scores and sums (span: the most rows a
 // query sees); q read through its strides, o (B, K, Hq, Dh) contiguous
-template <int DV, class T>
+template <class T>
 void attend_rows(const float *q, const int64_t *q_strides, const T *kc, const T *vc, const T *own_k, const T *own_v,
                  const int64_t *slots, const int64_t *pos, float *o, int64_t nb, int64_t K, int64_t E, int64_t Hq,
                  int64_t Hkv, int64_t Dh, int64_t slot_stride, int64_t row_stride, float scale, int64_t span) {
-  if constexpr (DV > 0)
-    if (Dh / 16 != DV)
-      return attend_rows<DV - 1>(q, q_strides, kc, vc, own_k, own_v, slots, pos, o, nb, K, E, Hq, Hkv, Dh,
-                                 slot_stride, row_stride, scale, span);
+  auto group = Dh / 16 == 4 ? attend_group<4, T> : Dh / 16 == 8 ? attend_group<8, T> : attend_group<0, T>;
   int64_t rep = Hq / Hkv, R = K * rep;
   at::parallel_for(0, nb * Hkv, 1, [&](int64_t first, int64_t last) {
     std::vector<float> scores(R * span), acc(R * (Dh + 1));
@@ -404,8 +403,7 @@ void attend_rows(const float *q, const int64_t *q_strides, const T *kc, const T 
         count[r] = pos[b * K + j] + 1;
       }
       Seen<T> seen{{kc + head, E ? own_k + own : nullptr}, {vc + head, E ? own_v + own : nullptr}, E, row_stride};
-      attend_group<DV>(q_rows.data(), o_rows.data(), count.data(), R, seen, Dh, scale, scores.data(), span,
-                       acc.data());
+      group(q_rows.data(), o_rows.data(), count.data(), R, seen, Dh, scale, scores.data(), span, acc.data());
     }
   });
 }
@@ -604,9 +602,9 @@ Tensor attend_rows_of(const Tensor &q, const Tensor &k_cache, const Tensor &v_ca
   auto run = [&](auto *type) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(type)>>;
     auto data = [](const Tensor &t) { return t.defined() ? static_cast<const T *>(t.data_ptr()) : nullptr; };
-    attend_rows<ATTEND_DV>(qc.data_ptr<float>(), qc.strides().data(), data(k_cache), data(v_cache), data(ko),
-                           data(vo), slots.data_ptr<int64_t>(), p, o.data_ptr<float>(), nb, K, E, Hq, Hkv, Dh,
-                           k_cache.stride(0), k_cache.stride(1), float(scale), span);
+    attend_rows(qc.data_ptr<float>(), qc.strides().data(), data(k_cache), data(v_cache), data(ko), data(vo),
+                slots.data_ptr<int64_t>(), p, o.data_ptr<float>(), nb, K, E, Hq, Hkv, Dh, k_cache.stride(0),
+                k_cache.stride(1), float(scale), span);
   };
   switch (dtype) {
     case at::kFloat: run(static_cast<float *>(nullptr)); break;
