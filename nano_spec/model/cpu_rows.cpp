@@ -27,6 +27,7 @@ typedef float lanes __attribute__((vector_size(64), aligned(4)));      // 16 fp3
 typedef float lanes8 __attribute__((vector_size(32)));
 typedef uint16_t lanes16 __attribute__((vector_size(32), aligned(2)));  // 16 bf16
 typedef uint32_t lanes32 __attribute__((vector_size(64)));
+typedef int32_t ints __attribute__((vector_size(64)));
 inline lanes load16(const float *p) { return *(const lanes *)p; }
 inline void stream16(float *p, lanes v) {  // a store that passes the caches by (p 64-byte aligned)
 #ifdef __AVX512F__
@@ -76,10 +77,9 @@ void mamba_head(const float *decay, const float *u, const float *Bm, const float
         acc += v * load16(Cn + n);
       }
       float sum = sum16(acc);
-      for (; n < N; n++) {
+      for (; n < N; n++) {  // a streamed row has none (mamba_rows streams only where N % 16 == 0)
         float v = a * s[n] + up * Bn[n];
         o[n] = v;
-        so[n] = v;
         sum += v * Cn[n];
       }
       y[(bk * H + h) * P + p] = sum;
@@ -230,21 +230,25 @@ inline lanes load16(const uint16_t *p) {
   return f;
 }
 
-typedef int32_t ints __attribute__((vector_size(64)));
-
 // 16 dot products' lanes summed at once, lane i the sum of d[i]'s 16 lanes, in sum16's tree (halves, quarters, ..):
 // a transpose in four rounds of shuffles instead of a horizontal sum per row
 inline lanes sum16x16(const lanes *d) {
   lanes t[8], u[4], w[2];
-  for (int i = 0; i < 8; i++)
-    t[i] = __builtin_shufflevector(d[2 * i], d[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-           __builtin_shufflevector(d[2 * i], d[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-  for (int i = 0; i < 4; i++)
-    u[i] = __builtin_shufflevector(t[2 * i], t[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-           __builtin_shufflevector(t[2 * i], t[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-  for (int i = 0; i < 2; i++)
-    w[i] = __builtin_shufflevector(u[2 * i], u[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
-           __builtin_shufflevector(u[2 * i], u[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  for (int i = 0; i < 8; i++) {  // lanes l and l + 8 of two rows: their 8 sums side by side
+    const lanes &a = d[2 * i], &b = d[2 * i + 1];
+    t[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  }
+  for (int i = 0; i < 4; i++) {  // then l and l + 4: 4 sums a row, four rows
+    const lanes &a = t[2 * i], &b = t[2 * i + 1];
+    u[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  }
+  for (int i = 0; i < 2; i++) {  // then l and l + 2: 2 sums a row, eight rows
+    const lanes &a = u[2 * i], &b = u[2 * i + 1];
+    w[i] = __builtin_shufflevector(a, b, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(a, b, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  }
   return __builtin_shufflevector(w[0], w[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
          __builtin_shufflevector(w[0], w[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
@@ -278,6 +282,22 @@ struct Seen {
   int64_t E, row_stride;
 };
 
+// Every block of up to KEYS rows that query row r sees, blocks in order and, within one, rows r in order: first the
+// cache's (part 0, count[r] rows), then the sequence's own (part 1, E). f(r, part, l0, m, at): the block's first row
+// l0 within its part, its m rows, the index of its first score among the row's
+template <class T, class F>
+inline void each_block(const int64_t *count, int64_t R, const Seen<T> &seen, F f) {
+  for (int part = 0; part < 2; part++) {
+    int64_t most = part ? seen.E : 0;
+    for (int64_t r = 0; r < R && !part; r++) most = count[r] > most ? count[r] : most;
+    for (int64_t l0 = 0; l0 < most; l0 += KEYS)
+      for (int64_t r = 0; r < R; r++) {
+        int64_t m = (part ? seen.E : count[r]) - l0;
+        if (m > 0) f(r, part, l0, m < KEYS ? m : KEYS, part ? count[r] + l0 : l0);
+      }
+  }
+}
+
 // R query rows (q_rows[r]: its Dh values, o_rows[r]: its output) over the rows they see: their scores block by block
 // (scores: R rows of span), each row's e_l and total, then their outputs block by block (acc: R rows of Dh)
 template <int DV, class T>
@@ -286,41 +306,34 @@ FUSED void attend_group(const float *const *q_rows, float *const *o_rows, const 
   constexpr int NV = DV > 0 ? DV : ATTEND_DV;
   const int nv = DV > 0 ? DV : int(Dh / 16);  // DV: the vectors known when compiled, 0: read at run time
   const lanes zero = {};
-  for (int part = 0; part < 2; part++) {  // 1. s_l = scale q.k_l: Dh's vectors, their 16 lanes as a tree, the rest
-    int64_t most = part ? seen.E : 0;
-    for (int64_t r = 0; r < R && !part; r++) most = count[r] > most ? count[r] : most;
-    for (int64_t l0 = 0; l0 < most; l0 += KEYS)
-      for (int64_t r = 0; r < R; r++) {
-        int64_t m = (part ? seen.E : count[r]) - l0, at = part ? count[r] + l0 : l0;  // rows of the block, score index
-        if (m <= 0) continue;
-        m = m < KEYS ? m : KEYS;
-        const float *q = q_rows[r];
-        const T *k = seen.keys[part] + l0 * seen.row_stride;
-        lanes d[KEYS], qv[NV];
-        float s[KEYS];
-        for (int v = 0; v < nv; v++) qv[v] = load16(q + 16 * v);
-        if (m == KEYS) {  // a whole block: its 16 sums unrolled in registers
+  // 1. s_l = scale q.k_l: Dh's vectors, their 16 lanes as a tree, the rest
+  each_block(count, R, seen, [&](int64_t r, int part, int64_t l0, int64_t m, int64_t at) FUSED {
+    const float *q = q_rows[r];
+    const T *k = seen.keys[part] + l0 * seen.row_stride;
+    lanes d[KEYS], qv[NV];
+    float s[KEYS];
+    for (int v = 0; v < nv; v++) qv[v] = load16(q + 16 * v);
+    if (m == KEYS) {  // a whole block: its 16 sums unrolled in registers
 #pragma GCC unroll 16
-          for (int i = 0; i < KEYS; i++) {
-            d[i] = zero;
-            for (int v = 0; v < nv; v++) d[i] += qv[v] * load16(k + i * seen.row_stride + 16 * v);
-          }
-        } else {
-          for (int i = 0; i < KEYS; i++) {  // rows past the block's m: zeros, their sums unused
-            d[i] = zero;
-            if (i < m)
-              for (int v = 0; v < nv; v++) d[i] += qv[v] * load16(k + i * seen.row_stride + 16 * v);
-          }
-        }
-        lanes sums = nv > 0 ? sum16x16(d) : zero;
-        std::memcpy(s, &sums, sizeof s);
-        float *out = scores + r * span + at;
-        for (int i = 0; i < m; i++) {
-          for (int64_t c = 16 * nv; c < Dh; c++) s[i] += q[c] * widen(k[i * seen.row_stride + c]);
-          out[i] = s[i] * scale;
-        }
+      for (int i = 0; i < KEYS; i++) {
+        d[i] = zero;
+        for (int v = 0; v < nv; v++) d[i] += qv[v] * load16(k + i * seen.row_stride + 16 * v);
       }
-  }
+    } else {
+      for (int i = 0; i < KEYS; i++) {  // rows past the block's m: zeros, their sums unused
+        d[i] = zero;
+        if (i < m)
+          for (int v = 0; v < nv; v++) d[i] += qv[v] * load16(k + i * seen.row_stride + 16 * v);
+      }
+    }
+    lanes sums = nv > 0 ? sum16x16(d) : zero;
+    std::memcpy(s, &sums, sizeof s);
+    float *out = scores + r * span + at;
+    for (int i = 0; i < m; i++) {
+      for (int64_t c = 16 * nv; c < Dh; c++) s[i] += q[c] * widen(k[i * seen.row_stride + c]);
+      out[i] = s[i] * scale;
+    }
+  });
   for (int64_t r = 0; r < R; r++) {  // 2. e_l = exp(s_l - top) over the row's scores, and their total
     float *s = scores + r * span, top = -INFINITY;
     int64_t n = count[r] + seen.E, l = 0;
@@ -346,33 +359,26 @@ FUSED void attend_group(const float *const *q_rows, float *const *o_rows, const 
     std::fill(a, a + Dh, 0.0f);
     a[Dh] = sum16(total);  // acc's rows are Dh + 1 long: the total last
   }
-  for (int part = 0; part < 2; part++) {  // 3. o = sum_l e_l v_l: even and odd rows of a block summed apart, then added
-    int64_t most = part ? seen.E : 0;
-    for (int64_t r = 0; r < R && !part; r++) most = count[r] > most ? count[r] : most;
-    for (int64_t l0 = 0; l0 < most; l0 += KEYS)
-      for (int64_t r = 0; r < R; r++) {
-        int64_t m = (part ? seen.E : count[r]) - l0, at = part ? count[r] + l0 : l0;
-        if (m <= 0) continue;
-        m = m < KEYS ? m : KEYS;
-        const float *e = scores + r * span + at;
-        const T *val = seen.vals[part] + l0 * seen.row_stride;
-        float *a = acc + r * (Dh + 1);
-        lanes even[NV], odd[NV];
-        for (int v = 0; v < nv; v++) even[v] = odd[v] = zero;
-        int i = 0;
+  // 3. o = sum_l e_l v_l: even and odd rows of a block summed apart, then added
+  each_block(count, R, seen, [&](int64_t r, int part, int64_t l0, int64_t m, int64_t at) FUSED {
+    const float *e = scores + r * span + at;
+    const T *val = seen.vals[part] + l0 * seen.row_stride;
+    float *a = acc + r * (Dh + 1);
+    lanes even[NV], odd[NV];
+    for (int v = 0; v < nv; v++) even[v] = odd[v] = zero;
+    int i = 0;
 #pragma GCC unroll 8
-        for (; i + 1 < m; i += 2)
-          for (int v = 0; v < nv; v++) {
-            even[v] += e[i] * load16(val + i * seen.row_stride + 16 * v);
-            odd[v] += e[i + 1] * load16(val + (i + 1) * seen.row_stride + 16 * v);
-          }
-        for (; i < m; i++)
-          for (int v = 0; v < nv; v++) even[v] += e[i] * load16(val + i * seen.row_stride + 16 * v);
-        for (int v = 0; v < nv; v++) *(lanes *)(a + 16 * v) = load16(a + 16 * v) + (even[v] + odd[v]);
-        for (int64_t c = 16 * nv; c < Dh; c++)
-          for (int j = 0; j < m; j++) a[c] += e[j] * widen(val[j * seen.row_stride + c]);
+    for (; i + 1 < m; i += 2)
+      for (int v = 0; v < nv; v++) {
+        even[v] += e[i] * load16(val + i * seen.row_stride + 16 * v);
+        odd[v] += e[i + 1] * load16(val + (i + 1) * seen.row_stride + 16 * v);
       }
-  }
+    for (; i < m; i++)
+      for (int v = 0; v < nv; v++) even[v] += e[i] * load16(val + i * seen.row_stride + 16 * v);
+    for (int v = 0; v < nv; v++) *(lanes *)(a + 16 * v) = load16(a + 16 * v) + (even[v] + odd[v]);
+    for (int64_t c = 16 * nv; c < Dh; c++)
+      for (int j = 0; j < m; j++) a[c] += e[j] * widen(val[j * seen.row_stride + c]);
+  });
   for (int64_t r = 0; r < R; r++) {  // 4. o = acc / total
     const float *a = acc + r * (Dh + 1);
     for (int64_t c = 0; c < Dh; c++) o_rows[r][c] = a[c] / a[Dh];
@@ -492,16 +498,17 @@ Tensor mamba_write(const Tensor &conv_state, const Tensor &ssm_state, const Tens
   return y;
 }
 
-Tensor conv_rows(const Tensor &x, const Tensor &weight, const Tensor &bias) {
-  TORCH_CHECK_VALUE(x.dim() == 2 && weight.dim() == 2 && bias.dim() == 1 && weight.size(0) == x.size(1) &&
-                        bias.size(0) == x.size(1),
+Tensor conv_rows(const Tensor &x, const Tensor &weight, const std::optional<Tensor> &bias) {
+  TORCH_CHECK_VALUE(x.dim() == 2 && weight.dim() == 2 && weight.size(0) == x.size(1) &&
+                        (!bias || (bias->dim() == 1 && bias->size(0) == x.size(1))),
                     "conv_rows: x must be (T, C), weight (C, W) and bias (C,)");
   int64_t T = x.size(0), C = x.size(1), W = weight.size(1);
   Tensor xf = x.to(at::kFloat), wt = weight.to(at::kFloat).t().contiguous();
   if (xf.stride(1) != 1) xf = xf.contiguous();  // a prompt's xBC, columns of its in_proj's rows, is read in place
   int64_t xs = xf.stride(0);
-  Tensor bf = bias.to(at::kFloat).contiguous(), y = at::zeros({T, C}, x.options().dtype(at::kFloat));
-  const float *xp = xf.data_ptr<float>(), *wp = wt.data_ptr<float>(), *bp = bf.data_ptr<float>();
+  Tensor bf = bias ? bias->to(at::kFloat).contiguous() : Tensor();
+  Tensor y = at::zeros({T, C}, x.options().dtype(at::kFloat));
+  const float *xp = xf.data_ptr<float>(), *wp = wt.data_ptr<float>(), *bp = bias ? bf.data_ptr<float>() : nullptr;
   float *yp = y.data_ptr<float>();
   at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; t++) {
@@ -510,7 +517,7 @@ Tensor conv_rows(const Tensor &x, const Tensor &weight, const Tensor &bias) {
         const float *xi = xp + (t - W + 1 + k) * xs, *wk = wp + k * C;
         for (int64_t c = 0; c < C; c++) o[c] += xi[c] * wk[c];
       }
-      for (int64_t c = 0; c < C; c++) o[c] += bp[c];
+      for (int64_t c = 0; c < C && bp; c++) o[c] += bp[c];
     }
   });
   return y;

@@ -148,9 +148,10 @@ mamba_write = cpu_op(
 mamba_scan_rows = cpu_op("mamba_scan_rows(Tensor(a!) state, Tensor decay, Tensor u, Tensor B, Tensor C) -> Tensor",
                          meta=lambda state, decay, u, B, C: torch.empty_like(u, dtype=torch.float32))
 
-# A prompt's causal depthwise conv from a zero window: x (T, C), weight (C, W), bias (C,) -> (T, C) fp32, each row's
-# taps added in order, then the bias (ssd.conv_silu_tokens' sums before its SiLU, bit for bit), rows over the threads
-conv_rows = cpu_op("conv_rows(Tensor x, Tensor weight, Tensor bias) -> Tensor",
+# A prompt's causal depthwise conv from a zero window: x (T, C), weight (C, W), bias (C,) or None -> (T, C) fp32, each
+# row's taps added in order, then the bias (ssd.conv_silu_tokens' sums before its SiLU, bit for bit), rows over the
+# threads
+conv_rows = cpu_op("conv_rows(Tensor x, Tensor weight, Tensor? bias) -> Tensor",
                    meta=lambda x, weight, bias: x.new_empty(x.shape, dtype=torch.float32))
 
 # ---- 2. the attention rows and the commit ------------------------------------------------------------------------

@@ -46,8 +46,7 @@ def mamba_scan(xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, n_groups: int
     rows' recurrence in C++, each head's state in L1 across the rows, in place of chunked SSD, whose small matmuls
     and (c, H, l, l) decays cost ~10x their arithmetic on a CPU (docs/DESIGN.md §12); dt and the SiLU in torch."""
     H = dt.shape[-1]
-    bias = conv_bias if conv_bias is not None else conv_weight.new_zeros(conv_weight.shape[0])
-    xbc = F.silu(conv_rows(xBC, conv_weight, bias), inplace=True)  # (T, C) fp32
+    xbc = F.silu(conv_rows(xBC, conv_weight, conv_bias), inplace=True)  # (T, C) fp32
     x, Bg, Cg = split_xbc(xbc, H, head_dim, n_groups)  # (T, ...)
     dt, decay = dt_and_decay(dt, dt_bias, A_log, dt_limit)  # (T, H) each
     state = torch.zeros(H, head_dim, Bg.shape[-1], dtype=torch.float32, device=xBC.device)  # (H, P, N)
