@@ -26,7 +26,7 @@ requests are sampled, and outputs are not compared. A checkpoint without an MTP 
         configuration, recorded with their own tensors and replayed alone (the same aten calls, so the same
         GEMM path and weight layout), per engine step: what the steps would cost if they were only their matmuls;
         for a compiled engine that packs its weights, the products of few rows replayed in its C instead, over
-        bf16 copies for the drafter's (nano_spec/bench_floor.py)
+        int8 copies for the drafter's (nano_spec/bench_floor.py)
     overhead = step ms / floor ms
 """
 import argparse

@@ -2,7 +2,7 @@
 the device steps of one pass, recorded with their own tensors and replayed alone. The same aten calls run, so the
 same GEMM path and weight layout: what the steps would cost if they were only their matmuls. A compiled engine
 that packs its weights (nano_spec/model/cpu_rows.py) runs the products of few rows in C instead: its floor replays
-those through rows_mm over packed copies of the same weights, in bf16 for the drafter's calls as the engine packs them.
+those through rows_mm over packed copies of the same weights, in int8 for the drafter's calls as the engine packs them.
 
     floor ms = replay seconds (median of rounds) / engine steps of the pass
 """
@@ -12,7 +12,7 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from nano_spec.model.cpu_rows import on_huge_pages, pack_rows, rows_mm, runs_in_c
+from nano_spec.model.cpu_rows import DRAFT_DTYPE, on_huge_pages, pack_rows, rows_mm, runs_in_c
 
 MATMULS = ("mm", "addmm", "bmm")  # the aten calls a linear becomes
 
@@ -75,13 +75,13 @@ def record(llm, run) -> tuple:
 def as_packed(calls, drafted=frozenset()) -> list:
     """The recorded calls as a packing compiled step runs them: mm(x, w) and addmm(b, x, w) whose rows run in C
     (cpu_rows.runs_in_c) through rows_mm over w's packed copy (made here, once per weight and dtype, on huge pages
-    as the engine's are; bf16 for the calls in `drafted`, a drafter's; the bias add left out), the rest as they
+    as the engine's are; int8 for the calls in `drafted`, a drafter's; the bias add left out), the rest as they
     are. w is the weight as a linear passes it, (in, out). rows_mm is called straight: the operator and Python
     around it in a step are the step's overhead, not its matmuls."""
     weights, plan = {}, []  # (data pointer, shape, strides, dtype) -> w; per call, (x, w's key) or None
     for i, (func, args, kwargs) in enumerate(calls):
         x, w = {"mm": args[:2], "addmm": args[1:3]}.get(func.overloadpacket.__name__, (None, None))
-        dtype = torch.bfloat16 if i in drafted else torch.float32
+        dtype = DRAFT_DTYPE if i in drafted else torch.float32
         if x is None or x.dtype != torch.float32 or not runs_in_c(x.shape[0], dtype):
             plan.append(None)
             continue

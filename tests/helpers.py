@@ -41,6 +41,12 @@ def assert_unchanged(name: str, before: torch.Tensor, after: torch.Tensor):
     assert torch.equal(before, after), f"{name}: {int((before != after).sum())} elements changed"
 
 
+def int8_rounded(w: torch.Tensor) -> torch.Tensor:
+    """w (N, K) as a drafter's int8 copy holds it: each row over 255 levels, max |w| at 127, rounded to nearest."""
+    step = w.abs().amax(dim=1, keepdim=True) / 127
+    return torch.where(step > 0, (w / step).round() * step, w)
+
+
 def tiny_config(**overrides):
     """A small hybrid config with awkward sizes (P, N not powers of two) and an MTP head."""
     from nano_spec.model.config import ModelConfig

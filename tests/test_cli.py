@@ -144,7 +144,7 @@ def test_bench_floor_records_every_weight_a_step_reads(ckpt):
         floors = matmul_floor_ms(engine.llm, lambda: engine.generate(ids, 6))
         assert steps == engine.llm.stats["verify_steps"] and floors["aten"] > 0 and floors["rows"] > 0
         assert set().union(*read) == want, (proposer, set().union(*read) ^ want)
-        # the drafter's calls (replayed over bf16 copies) read its head's weights and the output layer, no other
+        # the drafter's calls (replayed over int8 copies) read its head's weights and the output layer, no other
         by_drafts = set().union(*(r for i, r in enumerate(read) if i in drafted))
         head = {n for n in want if n.startswith("mtp")}
         assert by_drafts == (head | ({"embed_tokens"} if m.lm_head is None else {"lm_head"}) if head else set())

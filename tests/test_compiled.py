@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from helpers import load_script, tiny_checkpoint
+from helpers import int8_rounded, load_script, tiny_checkpoint
 from nano_spec import LLM, SamplingParams
 from nano_spec.engine.graph import Compiled, bucket
 
@@ -45,14 +45,14 @@ def tokens(llm, prompts, params):
 
 
 @torch.no_grad()
-def drafts_at_bf16(llm):
+def drafts_at_int8(llm):
     """An eager engine whose drafter reads its weights as a compiled CPU step's does: every weight its products
-    read (its networks', the output layer its drafts use) rounded to bf16, in place or in a rounded copy."""
+    read (its networks', the output layer its drafts use) rounded to int8 levels, in place or in a rounded copy."""
     for net in llm.drafter.nets:
         for t in [*net.parameters(), *(m.qkv_weight for m in net.modules() if getattr(m, "qkv_weight", None) is not None)]:
             if t.dim() == 2:
-                t.copy_(t.bfloat16().float())
-    weight, scale = llm.drafter.head.weight.bfloat16().float(), llm.model.cfg.logits_scaling
+                t.copy_(int8_rounded(t))
+    weight, scale = int8_rounded(llm.drafter.head.weight), llm.model.cfg.logits_scaling
     llm.drafter.head = lambda y: F.linear(y, weight) / scale
     return llm
 
@@ -69,9 +69,9 @@ def test_compiled_tokens_equal_eager(ckpt, proposer, gamma):
     kw = dict(proposer=proposer, num_drafts=gamma, max_batch=3, backend="torch", device="cpu", max_seq_len=96)
     eager, compiled = LLM(ckpt, **kw), LLM(ckpt, compile=True, **kw)
     compiled.runner.graph.compiled.check_guards = True  # every bucket's key names the graph its inputs need
-    if proposer == "mtp":  # the drafts read bf16 copies, the target fp32 ones: the sampled draws as eager ones at bf16
-        assert packed_dtypes(compiled) == {(torch.float32, False), (torch.bfloat16, True)}
-        drafts_at_bf16(eager)
+    if proposer == "mtp":  # the drafts read int8 copies, the target fp32 ones: the sampled draws as eager ones at int8
+        assert packed_dtypes(compiled) == {(torch.float32, False), (torch.int8, True)}
+        drafts_at_int8(eager)
     # batch 1; batch 3 with slot reuse; a JSON schema. Under auto each engine's planner picks γ from its own
     # clock, so their random draws differ: greedy only there (lossless whatever γ is picked)
     cases = [(PROMPTS[:1], GREEDY), (PROMPTS, GREEDY), (PROMPTS[:3], SCHEMA)]
@@ -200,7 +200,7 @@ def test_a_growing_sequence_makes_no_new_graph(ckpt):
     cache's length alone: MTP decoding from 250 rows past 256 and 512 makes one graph, and gives the eager
     engine's tokens."""
     kw = dict(proposer="mtp", num_drafts=3, max_batch=1, backend="torch", device="cpu", max_seq_len=640)
-    eager, compiled = drafts_at_bf16(LLM(ckpt, **kw)), LLM(ckpt, compile=True, **kw)
+    eager, compiled = drafts_at_int8(LLM(ckpt, **kw)), LLM(ckpt, compile=True, **kw)
     prompt, params = [list(range(1, 60)) * 4 + [7] * 14], SamplingParams(max_new_tokens=300, ignore_eos=True)
     assert tokens(compiled, prompt, params) == tokens(eager, prompt, params)
     assert [key[2] for key in compiled.runner.graph.seen] == [compiled.runner.graph.kv_max]  # kv: the cache's rows
@@ -216,9 +216,9 @@ def test_compile_flag_checked(ckpt):
 def test_padded_batch_writes_like_row_0(ckpt):
     """A batch of 3 in a 4-slot engine runs padded to 4 rows: the padding repeats row 0, so the live states of
     the 3 slots equal the eager engine's and the free slot is untouched; a later batch of 1 runs in the same
-    graphs. The eager engine's drafter reads the compiled one's bf16 weights (its head state is compared)."""
+    graphs. The eager engine's drafter reads the compiled one's int8 weights (its head state is compared)."""
     kw = dict(proposer="mtp", num_drafts=2, max_batch=4, backend="torch", device="cpu", max_seq_len=32)
-    eager, compiled = drafts_at_bf16(LLM(ckpt, **kw)), LLM(ckpt, compile=True, **kw)
+    eager, compiled = drafts_at_int8(LLM(ckpt, **kw)), LLM(ckpt, compile=True, **kw)
     for llm in (eager, compiled):  # 5 steps of 3 sequences, none finished: the 3 slots hold them
         llm.generate(PROMPTS[:3], SamplingParams(max_new_tokens=6, ignore_eos=True))
     assert {key[1] for key in compiled.runner.graph.seen} == {4}  # Bp: every step padded

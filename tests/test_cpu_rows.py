@@ -16,10 +16,11 @@ import torch
 
 import torch.nn.functional as F
 
-from helpers import assert_close, assert_unchanged, tiny_model
+from helpers import assert_close, assert_unchanged, int8_rounded, tiny_model
 from nano_spec.model.cpu_rows import (DRAFT_ROWS_MAX, HUGE_PAGE, ROWS_MAX, RowsLinear, attend, attend_block,
-                                      commit_state, conv_rows, kv_write, linear, mamba_scan_rows, mamba_write,
-                                      on_huge_pages, pack_linears, pack_rows, rows_mm)
+                                      commit_state, conv_rows, int8_rows, kv_write, linear, mamba_scan_rows,
+                                      mamba_write, on_huge_pages, pack_linears, pack_rows, rows_linear, rows_mm,
+                                      rows_weight)
 from nano_spec.model.graph_ops import attention_block, attention_prefill, attention_verify, mamba_scan, mamba_verify
 from nano_spec_kernels.attention_prefill import attention_prefill_ref
 from nano_spec_kernels.attention_verify import _attend_ref, attention_block_ref, attention_verify_ref
@@ -392,17 +393,31 @@ ROWS_CASES = [  # (M, N, K): rows, output columns, inputs
 ]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int8], ids=["fp32", "int8"])
 @pytest.mark.parametrize("shape", [c[1] for c in ROWS_CASES], ids=[c[0] for c in ROWS_CASES])
 def test_rows_mm_matches_float64(shape, dtype):
-    """Against float64 over the weight as packed: a bf16 copy is the weight rounded to bf16, its sums fp32."""
+    """Against float64 over the weight as packed: an int8 copy is the weight rounded to int8 levels, its sums fp32."""
     M, N, K = shape
     w, x = torch.randn(N, K), torch.randn(M, K)
+    w[N // 2] = 0  # a zero row: scale 0
     out = rows_mm(x, pack_rows(w.t().contiguous().t(), dtype), N)  # the engine's input-major layout packs alike
-    assert_close("y", x.double() @ w.to(dtype).double().t(), out, atol=1e-5)
+    held = int8_rounded(w) if dtype == torch.int8 else w
+    assert_close("y", x.double() @ held.double().t(), out, atol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_int8_levels_keep_each_rows_range():
+    """Each row's max |w| lands on ±127 and every value within half a level of its own; the copy holds exactly
+    those values (rows_weight), whatever the rows' ranges (1e-30 .. 1e30) and of any layout."""
+    w = torch.randn(70, 40) * torch.logspace(-30, 30, 70)[:, None]
+    w[3], w[5, 7] = 0, -w[5].abs().max() * 2
+    q, scale = int8_rows(w.t().contiguous().t())
+    assert q.dtype == torch.int8 and q.abs().amax(dim=1)[w.abs().amax(dim=1) > 0].eq(127).all() and q[3].eq(0).all()
+    assert q[5, 7] == -127
+    assert ((q.float() * scale[:, None] - w).abs() <= scale[:, None] / 2 * (1 + 1e-6)).all()
+    assert_unchanged("the copy's weight", q.float() * scale[:, None], rows_weight(pack_rows(w, torch.int8), 70))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int8], ids=["fp32", "int8"])
 @pytest.mark.parametrize("M", [2, 4, 5, ROWS_MAX], ids=lambda m: f"M{m}")
 def test_a_row_comes_out_the_same_in_any_call(M, dtype):
     """Row m of an M-row call is its 1-row call's, bit for bit (spec = plain within the compiled mode)."""
@@ -412,7 +427,7 @@ def test_a_row_comes_out_the_same_in_any_call(M, dtype):
     assert_unchanged("rows of one call against 1-row calls", one_by_one, rows_mm(x, packed, 70))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int8], ids=["fp32", "int8"])
 def test_threads_share_the_blocks_and_change_no_sum(dtype):
     """rows_mm over two threads (19 blocks of columns shared out) gives the one-thread product bit for bit."""
     w, x = torch.randn(600, 40), torch.randn(3, 40)
@@ -432,8 +447,13 @@ def test_rows_mm_refuses_what_does_not_fit():
             rows_mm(x, packed, n)
     with pytest.raises(ValueError, match="rows_mm: x"):
         rows_mm(torch.randn(2, 6), packed.half(), 8)
-    with pytest.raises(ValueError, match="pack_rows: dtype"):
-        pack_rows(torch.randn(8, 6), torch.float16)
+    with pytest.raises(ValueError, match="rows_mm: x"):  # an int8 copy's scales are 4 more rows than its K
+        rows_mm(torch.randn(2, 10), pack_rows(torch.randn(8, 6), torch.int8), 8)
+    with pytest.raises(ValueError, match="rows_weight: "):
+        rows_weight(packed, 8)
+    for dtype in (torch.float16, torch.bfloat16):
+        with pytest.raises(ValueError, match="pack_rows: dtype"):
+            pack_rows(torch.randn(8, 6), dtype)
 
 
 def test_linear_leaves_many_rows_and_more_threads_to_aten():
@@ -450,16 +470,18 @@ def test_linear_leaves_many_rows_and_more_threads_to_aten():
         torch.set_num_threads(1)
 
 
-def test_a_bf16_copy_reads_its_weight_at_bf16_in_every_call():
-    """A drafter's bf16 copy: a step's rows (here 18, more than ROWS_MAX) in rows_mm at any thread count, a prompt's
-    through ATen over the weight rounded to bf16, so each call computes the product by the rounded weight."""
+def test_an_int8_copy_reads_its_weight_at_int8_in_every_call():
+    """A drafter's int8 copy: a step's rows (here 18, more than ROWS_MAX) in rows_mm at any thread count, a prompt's
+    through ATen over the weight at int8 levels, so each call computes the product by the rounded weight."""
     w, b = torch.randn(24, 16), torch.randn(24)
-    packed, rounded, few, many = pack_rows(w, torch.bfloat16), w.bfloat16().float(), torch.randn(2, 9, 16), \
+    packed, rounded, few, many = pack_rows(w, torch.int8), int8_rounded(w), torch.randn(2, 9, 16), \
         torch.randn(DRAFT_ROWS_MAX + 1, 16)
     in_c = rows_mm(few.reshape(18, 16), packed, 24).view(2, 9, 24) + b
     assert_unchanged("few rows: rows_mm", in_c, linear(few, w, b, packed))
     assert_close("few rows: the rounded weight", F.linear(few, rounded, b), in_c, atol=1e-5)
-    assert_unchanged("many rows: ATen over the rounded weight", F.linear(many, rounded, b), linear(many, w, b, packed))
+    assert_close("many rows: ATen over the rounded weight", F.linear(many, rounded, b), linear(many, w, b, packed),
+                 atol=1e-5)
+    assert_unchanged("many rows in the op: ATen as linear", linear(many, w, None, packed), rows_linear(many, packed, w))
     torch.set_num_threads(2)
     try:
         assert_unchanged("two threads: still rows_mm", in_c, linear(few, w, b, packed))
@@ -539,10 +561,10 @@ def test_pack_linears_keeps_the_weights_and_computes_what_aten_does(tied):
 
 
 @pytest.mark.parametrize("tied", [True, False], ids=["tied-head", "own-head"])
-def test_a_drafters_weights_pack_in_bf16_beside_the_targets_fp32(tied):
+def test_a_drafters_weights_pack_in_int8_beside_the_targets_fp32(tied):
     """A compiled step's packing with an MTP drafter: the target's weights (skipping the head's layer) in fp32,
-    the head's layer and the drafts' output layer (DraftHead) in bf16. The target's logits are its own; the draft
-    logits are the model's with every weight the drafts read rounded to bf16."""
+    the head's layer and the drafts' output layer (DraftHead) in int8. The target's logits are its own; the draft
+    logits are the model's with every weight the drafts read rounded to int8 levels."""
     from nano_spec.model.model import DraftHead
 
     model = tiny_model(tie_word_embeddings=tied).for_inference()
@@ -553,22 +575,22 @@ def test_a_drafters_weights_pack_in_bf16_beside_the_targets_fp32(tied):
         ref_target = model(ids)
         o = torch.randn(3, model.cfg.hidden_size)
         rounded = tiny_model(tie_word_embeddings=tied).for_inference()
-        for p in rounded.mtp.parameters():  # the head's products at bf16 (not its norms, nor the embedding lookup)
+        for p in rounded.mtp.parameters():  # the head's products at int8 (not its norms, nor the embedding lookup)
             if p.dim() == 2:
-                p.copy_(p.bfloat16().float())
+                p.copy_(int8_rounded(p))
         for m in rounded.mtp.modules():
             if getattr(m, "qkv_weight", None) is not None:
                 m.fuse_qkv()
-        out_weight = (rounded.tied_head if tied else rounded.lm_head.weight).bfloat16().float()
+        out_weight = int8_rounded(rounded.tied_head if tied else rounded.lm_head.weight)
         x = torch.randint(0, model.cfg.vocab_size, (3, 1))
         ref_draft = rounded.mtp_logits(rounded.mtp_hidden(x, o[:, None])[:, 0],
                                        lambda y: F.linear(y, out_weight) / rounded.cfg.logits_scaling)
         pack_linears(model, skip=drafts)
         for net in drafts:
-            pack_linears(net, torch.bfloat16)
+            pack_linears(net, torch.int8)
         out_target, out_draft = model(ids), model.mtp_logits(model.mtp_hidden(x, o[:, None])[:, 0], head)
     dtypes = {name: t.dtype for name, t in model.named_buffers() if "packed" in name}
-    assert dtypes and all(d == (torch.bfloat16 if n.startswith("mtp.") else torch.float32) for n, d in dtypes.items())
-    assert head.packed.dtype == torch.bfloat16 and (model.head_packed is not None) == tied
+    assert dtypes and all(d == (torch.int8 if n.startswith("mtp.") else torch.float32) for n, d in dtypes.items())
+    assert head.packed.dtype == torch.int8 and (model.head_packed is not None) == tied
     assert_close("target logits", ref_target, out_target, atol=1e-5)
     assert_close("draft logits", ref_draft, out_draft, atol=1e-5)

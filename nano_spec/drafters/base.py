@@ -95,7 +95,7 @@ class DeviceDrafter:
     take a grammar's masks, which no graph can)."""
     max_drafts: int
     taps: tuple = ()
-    nets: tuple = ()  # the networks its drafts run (an MTP head's lies inside the target), packed in bf16 (graph.py)
+    nets: tuple = ()  # the networks its drafts run (an MTP head's lies inside the target), packed in int8 (graph.py)
     device: torch.device
 
     def draft_rows(self, slots, gamma: int, sampling: BatchSampling, uniforms, kv: int, masks=None) -> Drafts:

@@ -28,7 +28,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-from nano_spec.model.cpu_rows import pack_linears
+from nano_spec.model.cpu_rows import DRAFT_DTYPE, pack_linears
 from nano_spec.model.graph_ops import use_graph_ops
 
 KV_MIN = 256  # the smallest KV bucket: each bucket is one more graph to make, and a short one saves little
@@ -274,8 +274,8 @@ class StepGraph:
         template: compiled, the weights' matmuls in inductor's C++ GEMM template (gemm_template);
         nets, drafts: the networks fn runs, the target's and the drafter's; compiled without the template, their
         products of few rows run in C over packed copies of their weights (cpu_rows.pack_linears), held beside the
-        weights: fp32 for the target, bf16 for the drafter (a draft only proposes: half the bytes to read, and
-        the verify's fp32 decides)."""
+        weights: fp32 for the target, int8 for the drafter (a draft only proposes: a quarter of the bytes to read,
+        and the verify's fp32 decides)."""
         if mode not in MODES:
             raise ValueError(f"mode: {mode!r} is not one of {MODES}")
         if mode != "eager":
@@ -293,7 +293,7 @@ class StepGraph:
             for net in () if self.template else nets:
                 pack_linears(net, skip=drafts)
             for net in () if self.template else drafts:
-                pack_linears(net, torch.bfloat16)
+                pack_linears(net, DRAFT_DTYPE)
 
     def __call__(self, *batched, kv_len: int, eager: bool = False, **static):
         B = batched[0].shape[0]

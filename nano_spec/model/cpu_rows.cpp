@@ -134,22 +134,30 @@ void mamba_rows(const float *decay, const float *u, const float *Bm, const float
 #define MB 4
 #define PAIR_ROWS 2
 #endif
-typedef float half __attribute__((vector_size(NB * 2), aligned(4)));       // NB / 2 fp32 lanes, loaded unaligned
-typedef uint32_t pairs __attribute__((vector_size(NB * 2), aligned(4)));   // NB bf16 as NB / 2 pairs
-static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "a bf16 pair's first value is its low half");
+typedef float half __attribute__((vector_size(NB * 2), aligned(4)));  // NB / 2 fp32 lanes, loaded unaligned
 
 // A packed block's row k as two vectors of fp32 lanes: columns 0 .. NB/2-1 and NB/2 .. NB-1. An fp32 block holds
-// them in order; a bf16 block interleaves them (column j beside column j + NB/2), so one load gives both halves:
-// a bf16 value is the top half of its fp32, the low column shifted up, the high one masked.
+// them; an int8 block (a drafter's) holds them as int8, each column scaled by its own factor: the block's rows are
+// followed by its NB columns' scales (fp32, in TAIL rows of NB bytes), and a column's sums over the int8 values
+// take one product by its scale at the end
 inline void load_row(const float *w, half &w0, half &w1) {
   w0 = *(const half *)w;
   w1 = *(const half *)(w + NB / 2);
 }
-inline void load_row(const uint16_t *w, half &w0, half &w1) {
-  pairs v = *(const pairs *)w, lo = v << 16, hi = v & 0xffff0000u;
+inline void load_row(const int8_t *w, half &w0, half &w1) {  // sign-extended to int32, then converted
+#ifdef __AVX512F__
+  __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)w)));
+  __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + NB / 2))));
   std::memcpy(&w0, &lo, sizeof w0);
   std::memcpy(&w1, &hi, sizeof w1);
+#else
+  for (int i = 0; i < NB / 2; i++) {
+    w0[i] = w[i];
+    w1[i] = w[i + NB / 2];
+  }
+#endif
 }
+template <class W> constexpr int64_t TAIL = std::is_same_v<W, int8_t> ? sizeof(float) : 0;
 
 // mb rows of x (mb, Kd) times nbk consecutive packed blocks w (nbk, Kd, NB) -> y (mb, ..), the last block's
 // columns cut to n <= NB: each row's sums over k in order, each term fused into its sum (one rounding, in every
@@ -162,14 +170,24 @@ inline void load_row(const uint16_t *w, half &w0, half &w1) {
 template <int mb, int nbk, class W>
 FUSED void rows_pass(const float *x, const W *w, float *y, int64_t Kd, int64_t N, int64_t n) {
   half acc[nbk][mb][2] = {};
+  const int64_t stride = (Kd + TAIL<W>) * NB;  // one block's
   for (int64_t k = 0; k < Kd; k++)
     for (int b = 0; b < nbk; b++) {
       half w0, w1;
-      load_row(w + (b * Kd + k) * NB, w0, w1);
+      load_row(w + b * stride + k * NB, w0, w1);
       for (int m = 0; m < mb; m++) {
         float xm = x[m * Kd + k];
         acc[b][m][0] += xm * w0;
         acc[b][m][1] += xm * w1;
+      }
+    }
+  if constexpr (TAIL<W> > 0)
+    for (int b = 0; b < nbk; b++) {
+      const float *scale = reinterpret_cast<const float *>(w + b * stride + Kd * NB);
+      half s0 = *(const half *)scale, s1 = *(const half *)(scale + NB / 2);
+      for (int m = 0; m < mb; m++) {
+        acc[b][m][0] *= s0;
+        acc[b][m][1] *= s1;
       }
     }
   for (int b = 0; b < nbk; b++)
@@ -194,7 +212,7 @@ void rows_mm_loop(const float *x, const W *w, float *y, int64_t M, int64_t Kd, i
     for (int64_t j = first; j < last;) {
       int64_t n0 = j * NB, n = N - n0 < NB ? N - n0 : NB;
       bool pair = j + 1 < last && n0 + 2 * NB <= N;  // two whole blocks
-      const W *block = w + n0 * Kd;
+      const W *block = w + j * (Kd + TAIL<W>) * NB;
       for (int64_t m0 = 0; m0 < M; m0 += MB) {
         int mb = M - m0 < MB ? M - m0 : MB;
         const float *xm = x + m0 * Kd;
@@ -203,7 +221,7 @@ void rows_mm_loop(const float *x, const W *w, float *y, int64_t M, int64_t Kd, i
           rows_passes<2>(mb, xm, block, ym, Kd, N, NB);
         } else {
           rows_passes<1>(mb, xm, block, ym, Kd, N, n);
-          if (pair) rows_passes<1>(mb, xm, block + NB * Kd, ym + NB, Kd, N, NB);
+          if (pair) rows_passes<1>(mb, xm, block + (Kd + TAIL<W>) * NB, ym + NB, Kd, N, NB);
         }
       }
       j += pair ? 2 : 1;
@@ -444,28 +462,38 @@ void check_slots(const char *op, const Tensor &slots, int64_t num_slots) {
 int64_t rows_block() { return NB; }
 
 Tensor rows_mm(const Tensor &x, const Tensor &packed, int64_t n) {
-  bool bf16 = packed.scalar_type() == at::kBFloat16;
-  TORCH_CHECK_VALUE(x.dim() == 2 && x.scalar_type() == at::kFloat && (packed.scalar_type() == at::kFloat || bf16) &&
-                        packed.dim() == 3 && packed.size(1) == x.size(1) && packed.size(2) == NB &&
-                        packed.is_contiguous() && 0 < n && n <= packed.size(0) * NB,
+  bool int8 = packed.scalar_type() == at::kChar;
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.scalar_type() == at::kFloat && (packed.scalar_type() == at::kFloat || int8) &&
+                        packed.dim() == 3 && packed.size(1) == x.size(1) + (int8 ? TAIL<int8_t> : 0) &&
+                        packed.size(2) == NB && packed.is_contiguous() && 0 < n && n <= packed.size(0) * NB,
                     "rows_mm: x ", x.sizes(), " ", x.scalar_type(), " does not fit the packed weight ", packed.sizes(),
                     " ", packed.scalar_type(), " of ", n, " rows");
   Tensor xc = x.contiguous(), y = at::empty({x.size(0), n}, x.options());
-  if (bf16)
-    rows_mm_loop(xc.data_ptr<float>(), static_cast<const uint16_t *>(packed.data_ptr()), y.data_ptr<float>(),
-                 x.size(0), x.size(1), n);
+  if (int8)
+    rows_mm_loop(xc.data_ptr<float>(), packed.data_ptr<int8_t>(), y.data_ptr<float>(), x.size(0), x.size(1), n);
   else
     rows_mm_loop(xc.data_ptr<float>(), packed.data_ptr<float>(), y.data_ptr<float>(), x.size(0), x.size(1), n);
   return y;
 }
 
-// a drafter's bf16 copy serves a step's rows at any thread count, and its weight is read at bf16 precision on ATen's
-// path too (a prompt's rows): the compiled drafter computes one function whatever the rows and threads
+// the weight (n, K) fp32 that an int8 copy holds: each column's int8 values times its scale
+Tensor rows_weight(const Tensor &packed, int64_t n) {
+  TORCH_CHECK_VALUE(packed.scalar_type() == at::kChar && packed.dim() == 3 && packed.size(2) == NB &&
+                        packed.size(1) > TAIL<int8_t> && 0 < n && n <= packed.size(0) * NB,
+                    "rows_weight: ", packed.sizes(), " ", packed.scalar_type(), " is not an int8 copy of ", n, " rows");
+  int64_t nb = packed.size(0), K = packed.size(1) - TAIL<int8_t>;
+  Tensor scale = packed.narrow(1, K, TAIL<int8_t>).reshape({nb, TAIL<int8_t> * NB}).view(at::kFloat);  // (nb, NB)
+  return packed.narrow(1, 0, K).to(at::kFloat).mul(scale.unsqueeze(1)).transpose(1, 2).reshape({nb * NB, K})
+      .narrow(0, 0, n);
+}
+
+// a drafter's int8 copy serves a step's rows at any thread count, and its weight is read at int8 precision on
+// ATen's path too (a prompt's rows): the compiled drafter computes one function whatever the rows and threads
 Tensor rows_linear(const Tensor &x, const Tensor &packed, const Tensor &weight) {
-  bool bf16 = packed.scalar_type() == at::kBFloat16;
-  bool in_c = bf16 ? x.size(0) <= DRAFT_ROWS_MAX : x.size(0) <= ROWS_MAX && at::get_num_threads() == 1;  // runs_in_c
+  bool int8 = packed.scalar_type() == at::kChar;
+  bool in_c = int8 ? x.size(0) <= DRAFT_ROWS_MAX : x.size(0) <= ROWS_MAX && at::get_num_threads() == 1;  // runs_in_c
   if (in_c) return rows_mm(x, packed, weight.size(0));
-  return at::linear(x, bf16 ? weight.to(at::kBFloat16).to(at::kFloat) : weight);
+  return at::linear(x, int8 ? rows_weight(packed, weight.size(0)) : weight);
 }
 
 Tensor mamba_write(const Tensor &conv_state, const Tensor &ssm_state, const Tensor &conv_stash,
@@ -680,10 +708,12 @@ void commit_state(const Tensor &ssm_state, const Tensor &conv_state, const Tenso
 TORCH_LIBRARY_FRAGMENT(nano_spec, m) {
   m.def("rows_block() -> int", rows_block);
   m.def("rows_mm(Tensor x, Tensor packed, int n) -> Tensor");
+  m.def("rows_weight(Tensor packed, int n) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(nano_spec, CPU, m) {
   m.impl("rows_mm", rows_mm);
+  m.impl("rows_weight", rows_weight);
   m.impl("rows_linear", rows_linear);
   m.impl("mamba_write", mamba_write);
   m.impl("mamba_scan_rows", mamba_scan_rows);

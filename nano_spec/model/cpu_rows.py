@@ -28,10 +28,11 @@ head read each block of the cache once, each row's sums in one order of its own,
 3. The products (rows_linear, "K rows by a packed weight"): y (M, N) = x (M, K) W^T for M <= ROWS_MAX rows. ATen's
 GEMM copies the weight blocks it reads on every call and runs 4 rows at ~3x the time of one; here the weight is
 packed once (pack_rows: blocks of NB output columns, each contiguous) and each block's MB-row sums stay in vector
-registers, so one pass over the weight serves MB rows (8 with AVX-512: a verify's K rows in one pass). Row m's sums
-run over K in one order whatever M, each term fused into its sum, so a row comes out the same, bit for bit, in a
-1-row and in a K-row call. A drafter's weights are packed in bf16 (its products read half the bytes; the sums stay
-fp32): a draft only proposes, the target's fp32 verify decides.
+registers, so one pass over the weight serves MB rows (8 with AVX-512: a verify's K rows in one pass; up to 4 go
+over two blocks at once). Row m's sums run over K in one order whatever M, each term fused into its sum, so a row
+comes out the same, bit for bit, in a 1-row and in a K-row call. A drafter's weights are packed in int8, a scale per
+output column (its products read a quarter of the bytes; the sums stay fp32): a draft only proposes, the target's
+fp32 verify decides.
 
 A step of one row reads every weight once and does little else with it, so its products run at the speed memory
 delivers the weights. A network's packed copies lie in one block of memory on 2 MB pages where the OS grants them
@@ -59,7 +60,8 @@ from torch import Tensor
 SOURCE = Path(__file__).with_name("cpu_rows.cpp")  # the kernels of the ops below, and rows_mm
 HUGE_PAGE = 2 << 20  # a transparent huge page on x86-64 and most arm64 kernels
 ROWS_MAX = 16  # rows up to which rows_mm beats ATen's GEMM on one thread (docs/BENCHMARKS.md, "K rows")
-DRAFT_ROWS_MAX = 64  # a drafter's bf16 copy: a step's rows (batch x block) stay in rows_mm, a prompt's go to ATen
+DRAFT_ROWS_MAX = 64  # a drafter's int8 copy: a step's rows (batch x block) stay in rows_mm, a prompt's go to ATen
+DRAFT_DTYPE = torch.int8  # a drafter's packed copies (pack_rows): the target's are fp32
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-std=c++20", f"-DROWS_MAX={ROWS_MAX}",
          f"-DDRAFT_ROWS_MAX={DRAFT_ROWS_MAX}")
 OPENMP = "-fopenmp"  # rows_mm's threads (at::parallel_for); a compiler without OpenMP builds it serial
@@ -172,18 +174,30 @@ commit_state = cpu_op("commit_state(Tensor(a!) ssm_state, Tensor(b!) conv_state,
 
 
 # ---- 3. few rows by a packed weight ------------------------------------------------------------------------------
+def int8_rows(weight: Tensor) -> tuple:
+    """weight (N, K) -> (q (N, K) int8, scale (N,) fp32), weight ~ q * scale[:, None]: each row (an output column of
+    the product) over its own symmetric range, max |w| at 127, rounded to nearest (a zero row: zeros, scale 0)."""
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1) / 127
+    q = torch.where(scale[:, None] > 0, w / scale.clamp_min(torch.finfo(torch.float32).tiny)[:, None], 0.0)
+    return q.round().clamp(-127, 127).to(torch.int8), scale
+
+
 def pack_rows(weight: Tensor, dtype=torch.float32) -> Tensor:
     """weight (N, K), any layout -> its packed copy (ceil(N / NB), K, NB) for rows_mm: block j holds output columns
-    j NB .. j NB + NB - 1, zeros past N. In fp32 a block's row holds them in order; in bf16 (a drafter's copy: half
-    the bytes, rounded to nearest) column c sits beside column c + NB/2, the pair the kernel widens in one load."""
-    if dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"pack_rows: dtype {dtype} is not float32 or bfloat16")
+    j NB .. j NB + NB - 1 in order, zeros past N. An int8 copy (a drafter's, DRAFT_DTYPE: a quarter of the bytes;
+    int8_rows) ends each block with its columns' NB fp32 scales, as 4 more rows of bytes: (ceil(N / NB), K + 4, NB)."""
+    if dtype not in (torch.float32, torch.int8):
+        raise ValueError(f"pack_rows: dtype {dtype} is not float32 or int8")
     NB, (N, K) = library().rows_block(), weight.shape
+    values, scale = int8_rows(weight) if dtype == torch.int8 else (weight.detach(), None)
     packed = torch.zeros(-(-N // NB) * NB, K, dtype=dtype, device=weight.device)
-    packed[:N] = weight.detach()
+    packed[:N] = values
     packed = packed.view(-1, NB, K).transpose(1, 2)  # (N / NB, K, NB)
-    if dtype == torch.bfloat16:
-        packed = packed[..., torch.arange(NB).view(2, NB // 2).t().flatten()]  # columns 0, NB/2, 1, NB/2 + 1, ..
+    if scale is not None:
+        tail = torch.zeros(packed.shape[0] * NB, dtype=torch.float32, device=weight.device)
+        tail[:N] = scale
+        packed = torch.cat([packed, tail.view(torch.int8).view(-1, 4, NB)], dim=1)  # (N / NB, K + 4, NB)
     return packed.contiguous()
 
 
@@ -225,34 +239,39 @@ def rows_mm(x: Tensor, packed: Tensor, n: int) -> Tensor:
     return library().rows_mm(x, packed, n)
 
 
+def rows_weight(packed: Tensor, n: int) -> Tensor:
+    """The weight (n, K) fp32 that an int8 copy (pack_rows) holds: q * scale, what its products multiply by."""
+    return library().rows_weight(packed, n)
+
+
 def rows_max(dtype) -> int:
-    """The most rows a product by a weight packed in dtype hands to rows_mm: a drafter's bf16 copy, which ATen can
-    only read through a rounded copy made per call, serves a whole step's rows."""
-    return DRAFT_ROWS_MAX if dtype == torch.bfloat16 else ROWS_MAX
+    """The most rows a product by a weight packed in dtype hands to rows_mm: a drafter's int8 copy, which ATen can
+    only read through a weight made from it per call, serves a whole step's rows."""
+    return DRAFT_ROWS_MAX if dtype == torch.int8 else ROWS_MAX
 
 
 def runs_in_c(rows: int, dtype=torch.float32) -> bool:
     """Whether a product of this many rows by a weight packed in dtype runs in rows_mm: at most rows_max(dtype),
-    on one thread unless the copy is bf16 (rows_linear's kernel asks the same)."""
-    return rows <= rows_max(dtype) and (dtype == torch.bfloat16 or torch.get_num_threads() == 1)
+    on one thread unless the copy is a drafter's int8 one (rows_linear's kernel asks the same)."""
+    return rows <= rows_max(dtype) and (dtype == torch.int8 or torch.get_num_threads() == 1)
 
 
 # x (M, K) W^T -> (M, N) for the weight (N, K) and its packed copy: rows_mm where runs_in_c, else ATen's GEMM over
-# the weight (at bf16 precision for a bf16 copy), which uses the threads (their count may change between calls)
+# the weight (the one an int8 copy holds, rows_weight), which uses the threads (their count may change between calls)
 rows_linear = cpu_op("rows_linear(Tensor x, Tensor packed, Tensor weight) -> Tensor",
                      meta=lambda x, packed, weight: x.new_empty(x.shape[0], weight.shape[0]))
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, packed: Tensor | None = None) -> Tensor:
     """F.linear(x, weight, bias), over the packed copy of the weight where there is one and x has at most ROWS_MAX
-    rows, DRAFT_ROWS_MAX for a bf16 copy (a compiled CPU step's; a prompt's rows go to ATen's GEMM). A bf16 copy
-    is a drafter's: its weight is read at bf16 precision in every call."""
+    rows, DRAFT_ROWS_MAX for an int8 copy (a compiled CPU step's; a prompt's rows go to ATen's GEMM). An int8 copy
+    is a drafter's: its weight is read at int8 precision in every call."""
     rows = x.numel() // x.shape[-1]
     if packed is not None and rows <= rows_max(packed.dtype):
         y = rows_linear(x.reshape(rows, x.shape[-1]), packed, weight).view(*x.shape[:-1], weight.shape[0])
         return y if bias is None else y + bias
-    if packed is not None and packed.dtype == torch.bfloat16:
-        weight = weight.bfloat16().float()
+    if packed is not None and packed.dtype == torch.int8:
+        weight = rows_weight(packed, weight.shape[0])
     return F.linear(x, weight, bias)
 
 

@@ -331,7 +331,7 @@ class HybridLM(nn.Module):
 class DraftHead(nn.Module):
     """The target's output layer as a drafter reads it: logits (..., V) = y W^T / logits_scaling, W the target's
     (tied embedding or lm_head). The module reads the weight but does not hold it, so that its packed copy is the
-    drafts' own: a compiled CPU step packs it in bf16 while the verify's stays fp32 (cpu_rows.pack_linears)."""
+    drafts' own: a compiled CPU step packs it in int8 while the verify's stays fp32 (cpu_rows.pack_linears)."""
     packs = (("weight", "packed"),)
 
     def __init__(self, target: HybridLM):
