@@ -539,9 +539,13 @@ def test_for_inference_moves_the_weights_onto_one_block(dtype):
 @pytest.mark.parametrize("tied", [True, False], ids=["tied-head", "own-head"])
 def test_pack_linears_keeps_the_weights_and_computes_what_aten_does(tied):
     """The state dict is the same tensors under the same names; every linear, the fused q/k/v and a tied head
-    are packed; the logits of a few rows through the packed network match ATen's; a bf16 network is left alone."""
+    are packed; the logits of a few rows through the packed network match ATen's; the embedding table, input-major
+    for ATen's products, lies row by row with its values (an untied one always did); a bf16 network is left alone."""
     model = tiny_model(tie_word_embeddings=tied).for_inference()
     before = model.state_dict(keep_vars=True)
+    table = model.model.embed_tokens.weight
+    assert table.is_contiguous() != tied
+    values = table.detach().clone()
     ids = torch.randint(0, model.cfg.vocab_size, (1, 5))
     with torch.no_grad():
         ref = model(ids)
@@ -555,6 +559,8 @@ def test_pack_linears_keeps_the_weights_and_computes_what_aten_does(tied):
     packed = [t for name, t in model.named_buffers() if "packed" in name] + [model.head_packed] * tied
     assert one_block(set(packed)) == hasattr(mmap, "MADV_HUGEPAGE")
     assert_close("logits", ref, out, atol=1e-5)
+    assert table.is_contiguous() and one_block([table]) == hasattr(mmap, "MADV_HUGEPAGE")
+    assert_unchanged("the embedding table", values, table.detach())
     half = tiny_model().bfloat16()
     pack_linears(half)
     assert not any(isinstance(m, RowsLinear) for m in half.modules()) and half.head_packed is None

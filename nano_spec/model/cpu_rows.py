@@ -292,7 +292,9 @@ def pack_linears(net: nn.Module, dtype=torch.float32, skip=()):
     layers become RowsLinear, and a module that multiplies a weight itself names it in `packs`, (weight attribute,
     its packed buffer) pairs (layers.Attention's fused q/k/v, the output layer). The modules under `skip` (a
     drafter's, inside the target) are left to their own call. The copies lie together on huge pages
-    (on_huge_pages). Other dtypes keep ATen's GEMM."""
+    (on_huge_pages). Other dtypes keep ATen's GEMM. An embedding table is laid out row by row again (the same
+    Parameter and values, on huge pages): model.for_inference stores it input-major for ATen's products by the tied
+    head, which a step now runs over the packed copy, while each lookup of a token gathers a whole row."""
     skipped = {id(m) for s in skip for m in s.modules()}
     modules = [m for m in net.modules() if id(m) not in skipped]
     linears, owners = [], []  # (module, child name, nn.Linear); (module, packed attribute, weight)
@@ -309,3 +311,6 @@ def pack_linears(net: nn.Module, dtype=torch.float32, skip=()):
         setattr(module, name, RowsLinear(lin, next(packed)))
     for module, attr, _ in owners:
         setattr(module, attr, next(packed))
+    tables = [m.weight for m in modules if isinstance(m, nn.Embedding) and not m.weight.is_contiguous()]
+    for table, rows in zip(tables, on_huge_pages([t.data.contiguous() for t in tables])):
+        table.data = rows

@@ -115,7 +115,7 @@ class HybridLM(nn.Module):
     def for_inference(self):
         """The layout inference runs fastest in; the weights on disk do not change.
           - one q/k/v GEMM per attention call;
-          - on the CPU in fp32, every linear weight and the embedding stored transposed, (in, out) in memory: for the
+          - on the CPU in fp32, every linear weight and a tied embedding stored transposed, (in, out) in memory: for the
             few rows of a decode step torch's CPU GEMM streams that layout about 1.5x faster than (out, in)
             (docs/BENCHMARKS.md, "The step as one graph"); bf16 keeps (out, in), which its GEMM (oneDNN) reads faster
             (at the 350m shapes the K=1 matmuls take 65 ms against 75 transposed). The tensors keep their shape;
@@ -123,11 +123,11 @@ class HybridLM(nn.Module):
             streams them all, and on 4 KB pages their pages overflow the TLB."""
         w = self.model.embed_tokens.weight
         cpu = w.device.type == "cpu" and w.dtype == torch.float32
-        for m in self.modules():  # on the CPU the embedding too: it is the tied head, and gathers strided rows fine
+        for m in self.modules():  # a tied embedding too, as the head (a compiled step turns it back: pack_linears)
             if isinstance(m, Attention):
                 m.fuse_qkv()
                 m.qkv_weight = in_major(m.qkv_weight) if cpu else m.qkv_weight
-            elif cpu and isinstance(m, (nn.Linear, nn.Embedding)):
+            elif cpu and (isinstance(m, nn.Linear) or m is self.model.embed_tokens and self.lm_head is None):
                 m.weight.data = in_major(m.weight.data)
         if w.device.type == "cpu":  # each original dropped as its copy comes: the weights are never held twice
             params = [p for _, p in self.named_parameters()]  # a tied weight once
