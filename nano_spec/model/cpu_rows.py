@@ -28,7 +28,7 @@ head read each block of the cache once, each row's sums in one order of its own,
 3. The products (rows_linear, "K rows by a packed weight"): y (M, N) = x (M, K) W^T for M <= ROWS_MAX rows. ATen's
 GEMM copies the weight blocks it reads on every call and runs 4 rows at ~3x the time of one; here the weight is
 packed once (pack_rows: blocks of NB output columns, each contiguous) and each block's MB-row sums stay in vector
-registers, so one pass over the weight serves MB rows (8 with AVX-512: a verify's K rows in one pass; up to 4 go
+registers, so one pass over the weight serves MB rows (8 with AVX-512: a verify's K rows in one pass; up to 6 go
 over two blocks at once). Row m's sums run over K in one order whatever M, each term fused into its sum, so a row
 comes out the same, bit for bit, in a 1-row and in a K-row call. A drafter's weights are packed in int8, a scale per
 output column (its products read a quarter of the bytes; the sums stay fp32): a draft only proposes, the target's
