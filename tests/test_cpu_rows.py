@@ -482,6 +482,8 @@ def test_an_int8_copy_reads_its_weight_at_int8_in_every_call():
     assert_close("many rows: ATen over the rounded weight", F.linear(many, rounded, b), linear(many, w, b, packed),
                  atol=1e-5)
     assert_unchanged("many rows in the op: ATen as linear", linear(many, w, None, packed), rows_linear(many, packed, w))
+    traced = torch.compile(lambda x: linear(x, w, b, packed), backend="eager", fullgraph=True)  # fake tensors
+    assert_unchanged("many rows in a graph", linear(many, w, b, packed), traced(many))
     torch.set_num_threads(2)
     try:
         assert_unchanged("two threads: still rows_mm", in_c, linear(few, w, b, packed))
