@@ -93,6 +93,27 @@ def test_k_rows_equal_k_one_row_calls(Bsz, K, H, P, N, G):
     assert_unchanged("ssm_state", state, one_state)
 
 
+@pytest.mark.parametrize("Bsz,K,G", [(3, 4, 2), (1, 1, 1), (2, 5, 1)], ids=["B3-K4-G2", "B1-K1", "B2-K5"])
+def test_b_and_c_views_of_the_xbc_rows_are_read_in_place(Bsz, K, G):
+    """B and C as the graph hands them, views of a step's xBC rows [x | B | C], give the outputs of contiguous
+    copies bit for bit, in mamba_write and in a prompt's mamba_scan_rows; so does a C whose rows lie otherwise."""
+    H, P, N = 4, 12, 20
+    decay, u = torch.rand(Bsz, K, H) * 0.98 + 0.01, torch.randn(Bsz, K, H, P)
+    xBC = torch.randn(Bsz, K, H * P + 2 * G * N)
+    Bv = xBC[..., H * P:H * P + G * N].unflatten(-1, (G, N))
+    Cv = xBC[..., H * P + G * N:].unflatten(-1, (G, N))
+    state, slots = torch.randn(S, H, P, N), slot_ids(Bsz)
+    outs = []
+    for Bm, Cm in ((Bv, Cv), (Bv.contiguous(), Cv.contiguous()), (Bv, Cv.transpose(0, 1).contiguous().transpose(0, 1))):
+        st, stash = state.clone(), torch.empty(Bsz, K, H, P, N)
+        outs.append((mamba_rows(st, stash, slots, decay, u, Bm, Cm), st, stash[:, :K - 1]))
+        scan_state = state[0].clone()
+        outs[-1] += (mamba_scan_rows(scan_state, decay[0], u[0], Bm[0], Cm[0]), scan_state)
+    for i, out in enumerate(outs[1:]):
+        for name, a, b in zip(("y", "ssm_state", "stash", "scan y", "scan state"), outs[0], out):
+            assert_unchanged(f"{name}, inputs {i + 1}", b, a)
+
+
 def test_padded_batch_repeating_a_slot_reads_the_state_before_the_step():
     """A padded batch repeats row 0 (same slot, same inputs): the repeat computes from the state before the step,
     not from row 0's result, and the slot advances once."""

@@ -51,10 +51,11 @@ inline float sum16(lanes v) {  // halves added as a tree: a fixed order, 4 steps
 // Sequence b's head h (group g) over its K rows: S_k = a_k S_{k-1} + u_k B_k, y_k = S_k C_k. Row k's state goes to
 // the stash's row k (stash), or over the state itself (stash null: a prompt's scan, in place); the last row's to
 // `last` if given (a verify's live state, written in place: no commit reads the stash's last row). With `run` (P N
-// floats), the stash rows are streamed (stream16) and the state between rows lives in run.
-void mamba_head(const float *decay, const float *u, const float *Bm, const float *Cm, float *state_h, float *stash,
-                float *last, float *run, float *y, int64_t b, int64_t h, int64_t K, int64_t H, int64_t G, int64_t P,
-                int64_t N) {
+// floats), the stash rows are streamed (stream16) and the state between rows lives in run. Row bk's G N values of B
+// and C start at bk * row (views of a step's xBC rows are read where they lie).
+void mamba_head(const float *decay, const float *u, const float *Bm, const float *Cm, int64_t row, float *state_h,
+                float *stash, float *last, float *run, float *y, int64_t b, int64_t h, int64_t K, int64_t H, int64_t G,
+                int64_t P, int64_t N) {
   const float *prev = state_h;
   int64_t g = h / (H / G);
   for (int64_t k = 0; k < K; k++) {  // row k reads row k-1's state, still in L1
@@ -63,7 +64,7 @@ void mamba_head(const float *decay, const float *u, const float *Bm, const float
     float *out = k == K - 1 && last ? last : stash ? stash + (bk * H + h) * P * N : state_h;
     bool streamed = run && stash && out != last;  // a stash row past the caches, the state kept in run
     float *keep = streamed ? run : out;
-    const float *Bn = Bm + (bk * G + g) * N, *Cn = Cm + (bk * G + g) * N;
+    const float *Bn = Bm + bk * row + g * N, *Cn = Cm + bk * row + g * N;
     for (int64_t p = 0; p < P; p++) {
       float up = u[(bk * H + h) * P + p];
       const float *s = prev + p * N;
@@ -95,7 +96,7 @@ void mamba_head(const float *decay, const float *u, const float *Bm, const float
 // through the caches they would push the weights out of the last-level cache that the next step reads them from
 // (batch 8, γ = 3: 3 MB a layer; docs/DESIGN.md §12)
 #define STREAM_BYTES (2 << 20)
-void mamba_rows(const float *decay, const float *u, const float *Bm, const float *Cm, float *state,
+void mamba_rows(const float *decay, const float *u, const float *Bm, const float *Cm, int64_t row, float *state,
                 int64_t slot_stride, const int64_t *slots, float *stash, float *y,
                 int64_t nb, int64_t K, int64_t H, int64_t G, int64_t P, int64_t N) {
   bool repeats = false;
@@ -107,8 +108,8 @@ void mamba_rows(const float *decay, const float *u, const float *Bm, const float
   for (int64_t b = 0; b < nb; b++)
     for (int64_t h = 0; h < H; h++) {
       float *state_h = state + slots[b] * slot_stride + h * P * N;
-      mamba_head(decay, u, Bm, Cm, state_h, stash, repeats ? nullptr : state_h, stream ? run.data() : nullptr, y, b,
-                 h, K, H, G, P, N);
+      mamba_head(decay, u, Bm, Cm, row, state_h, stash, repeats ? nullptr : state_h, stream ? run.data() : nullptr,
+                 y, b, h, K, H, G, P, N);
     }
 #ifdef __AVX512F__
   if (stream) _mm_sfence();
@@ -496,6 +497,17 @@ Tensor rows_linear(const Tensor &x, const Tensor &packed, const Tensor &weight) 
   return at::linear(x, int8 ? rows_weight(packed, weight.size(0)) : weight);
 }
 
+// B and C (.., G, N) as (rows, G N) fp32 with one row stride: views of a step's xBC rows (each row's G N values
+// together, rows a stride apart) are read where they lie, anything else copied first
+std::pair<Tensor, Tensor> bc_rows(const Tensor &B, const Tensor &C, int64_t rows) {
+  int64_t width = B.size(-2) * B.size(-1);
+  Tensor b = B.to(at::kFloat).reshape({rows, width}), c = C.to(at::kFloat).reshape({rows, width});
+  if (b.stride(1) != 1) b = b.contiguous();
+  if (c.stride(1) != 1 || c.stride(0) != b.stride(0)) c = c.contiguous();
+  if (c.stride(0) != b.stride(0)) b = b.contiguous();  // both contiguous: one row stride, width
+  return {b, c};
+}
+
 Tensor mamba_write(const Tensor &conv_state, const Tensor &ssm_state, const Tensor &conv_stash,
                    const Tensor &ssm_stash, const Tensor &slot_ids, const Tensor &window, const Tensor &decay,
                    const Tensor &u, const Tensor &B, const Tensor &C) {
@@ -522,10 +534,10 @@ Tensor mamba_write(const Tensor &conv_state, const Tensor &ssm_state, const Tens
                     "dividing H");
   Tensor slots = slot_ids.to(at::kLong).contiguous();
   check_slots("mamba_write", slots, S);  // before anything is written
-  Tensor d = decay.to(at::kFloat).contiguous(), uc = u.to(at::kFloat).contiguous();
-  Tensor Bc = B.to(at::kFloat).contiguous(), Cm = C.to(at::kFloat).contiguous(), win = window.contiguous();
+  Tensor d = decay.to(at::kFloat).contiguous(), uc = u.to(at::kFloat).contiguous(), win = window.contiguous();
+  auto [Bc, Cm] = bc_rows(B, C, nb * K);
   Tensor y = at::empty({nb, K, H, P}, u.options().dtype(at::kFloat));
-  mamba_rows(d.data_ptr<float>(), uc.data_ptr<float>(), Bc.data_ptr<float>(), Cm.data_ptr<float>(),
+  mamba_rows(d.data_ptr<float>(), uc.data_ptr<float>(), Bc.data_ptr<float>(), Cm.data_ptr<float>(), Bc.stride(0),
              ssm_state.data_ptr<float>(), ssm_state.stride(0), slots.data_ptr<int64_t>(),
              ssm_stash.data_ptr<float>(), y.data_ptr<float>(), nb, K, H, G, P, N);
   // the conv: the window into the stash, its last W-1 columns into the slot
@@ -574,14 +586,14 @@ Tensor mamba_scan_rows(const Tensor &state, const Tensor &decay, const Tensor &u
                     "mamba_scan_rows: state must be a contiguous fp32 (H, P, N), decay (T, H), u (T, H, P), B and C "
                     "(T, G, N) with G dividing H");
   Tensor d = decay.to(at::kFloat).contiguous(), uc = u.to(at::kFloat).contiguous();
-  Tensor Bc = B.to(at::kFloat).contiguous(), Cm = C.to(at::kFloat).contiguous();
+  auto [Bc, Cm] = bc_rows(B, C, T);
   Tensor y = at::empty({T, H, P}, u.options().dtype(at::kFloat));
   float *s = state.data_ptr<float>(), *yp = y.data_ptr<float>();
   const float *dp = d.data_ptr<float>(), *up = uc.data_ptr<float>(), *Bp = Bc.data_ptr<float>(),
               *Cp = Cm.data_ptr<float>();
   at::parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {  // heads are independent: shared out over the threads
     for (int64_t h = h0; h < h1; h++)
-      mamba_head(dp, up, Bp, Cp, s + h * P * N, nullptr, nullptr, nullptr, yp, 0, h, T, H, G, P, N);
+      mamba_head(dp, up, Bp, Cp, Bc.stride(0), s + h * P * N, nullptr, nullptr, nullptr, yp, 0, h, T, H, G, P, N);
   });
   return y;
 }
