@@ -453,6 +453,17 @@ void copy_window(char *dst, const char *src, int64_t C, int64_t Wm1, int64_t wid
   for (int64_t c = 0; c < C; c++) std::memcpy(dst + c * Wm1 * es, src + (c * width + col) * es, Wm1 * es);
 }
 
+// t itself where each of its rows (its last `dims` dims) lies contiguous, the rows any stride apart (views of a
+// step's fused products are read where they lie); else a contiguous copy
+Tensor dense_rows(const Tensor &t, int dims) {
+  int64_t dense = 1;  // a dense row's stride at dim d: the product of the sizes after it
+  for (int64_t d = t.dim() - 1; d >= t.dim() - dims; d--) {
+    if (t.size(d) != 1 && t.stride(d) != dense) return t.contiguous();
+    dense *= t.size(d);
+  }
+  return t;
+}
+
 void check_slots(const char *op, const Tensor &slots, int64_t num_slots) {
   const int64_t *s = slots.data_ptr<int64_t>();
   for (int64_t b = 0; b < slots.numel(); b++)
@@ -501,9 +512,9 @@ Tensor rows_linear(const Tensor &x, const Tensor &packed, const Tensor &weight) 
 // together, rows a stride apart) are read where they lie, anything else copied first
 std::pair<Tensor, Tensor> bc_rows(const Tensor &B, const Tensor &C, int64_t rows) {
   int64_t width = B.size(-2) * B.size(-1);
-  Tensor b = B.to(at::kFloat).reshape({rows, width}), c = C.to(at::kFloat).reshape({rows, width});
-  if (b.stride(1) != 1) b = b.contiguous();
-  if (c.stride(1) != 1 || c.stride(0) != b.stride(0)) c = c.contiguous();
+  Tensor b = dense_rows(B.to(at::kFloat).reshape({rows, width}), 1);
+  Tensor c = dense_rows(C.to(at::kFloat).reshape({rows, width}), 1);
+  if (c.stride(0) != b.stride(0)) c = c.contiguous();
   if (c.stride(0) != b.stride(0)) b = b.contiguous();  // both contiguous: one row stride, width
   return {b, c};
 }
@@ -556,8 +567,7 @@ Tensor conv_rows(const Tensor &x, const Tensor &weight, const std::optional<Tens
                         (!bias || (bias->dim() == 1 && bias->size(0) == x.size(1))),
                     "conv_rows: x must be (T, C), weight (C, W) and bias (C,)");
   int64_t T = x.size(0), C = x.size(1), W = weight.size(1);
-  Tensor xf = x.to(at::kFloat), wt = weight.to(at::kFloat).t().contiguous();
-  if (xf.stride(1) != 1) xf = xf.contiguous();  // a prompt's xBC, columns of its in_proj's rows, is read in place
+  Tensor xf = dense_rows(x.to(at::kFloat), 1), wt = weight.to(at::kFloat).t().contiguous();  // a prompt's xBC
   int64_t xs = xf.stride(0);
   Tensor bf = bias ? bias->to(at::kFloat).contiguous() : Tensor();
   Tensor y = at::zeros({T, C}, x.options().dtype(at::kFloat));
@@ -617,9 +627,7 @@ void kv_write(const Tensor &k_cache, const Tensor &v_cache, const Tensor &slot_i
                       ") must lie in [0, ", L, ")");
   int64_t es = k_cache.element_size(), row = k_cache.stride(1) * es, slot = k_cache.stride(0) * es;
   for (auto [cache, rows] : {std::pair{k_cache, k}, std::pair{v_cache, v}}) {
-    // a position's Hkv Dh values contiguous in the rows (k and v are views of a fused q/k/v product), or a copy
-    Tensor r = rows.to(cache.scalar_type());
-    if (r.stride(3) != 1 || r.stride(2) != r.size(3)) r = r.contiguous();
+    Tensor r = dense_rows(rows.to(cache.scalar_type()), 2);  // a position's Hkv Dh values together
     char *dst = static_cast<char *>(cache.data_ptr());
     const char *src = static_cast<const char *>(r.data_ptr());
     for (int64_t i = 0; i < nb * K; i++)
@@ -648,7 +656,7 @@ Tensor attend_rows_of(const Tensor &q, const Tensor &k_cache, const Tensor &v_ca
                     "attend: q (B, K, Hq, Dh) fp32, caches (S, L, Hkv, Dh) of one float dtype with each position's "
                     "rows contiguous and Dh below ", 16 * (ATTEND_DV + 1), ", pos (B, K), own rows (B, E, Hkv, Dh)");
   Tensor slots = slot_ids.to(at::kLong).contiguous(), at_pos = pos.to(at::kLong).contiguous();
-  Tensor qc = q.stride(3) == 1 ? q : q.contiguous();  // q may be a view of a fused q/k/v product: read in place
+  Tensor qc = dense_rows(q, 1);  // q may be a view of a fused q/k/v product
   Tensor ko = own ? k_own->to(dtype).contiguous() : Tensor(), vo = own ? v_own->to(dtype).contiguous() : Tensor();
   check_slots("attend", slots, S);
   const int64_t *p = at_pos.data_ptr<int64_t>();

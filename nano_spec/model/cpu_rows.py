@@ -267,7 +267,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, packed: Tensor
     rows, DRAFT_ROWS_MAX for an int8 copy (a compiled CPU step's; a prompt's rows go to ATen's GEMM). An int8 copy
     is a drafter's: its weight is read at int8 precision in every call."""
     rows = x.numel() // x.shape[-1]
-    if packed is not None and (rows <= rows_max(packed.dtype) or packed.dtype == DRAFT_DTYPE):
+    if packed is not None and (packed.dtype == DRAFT_DTYPE or rows <= ROWS_MAX):
         # an int8 copy's products all go to its op, which hands many rows to ATen over the weight it holds
         y = rows_linear(x.reshape(rows, x.shape[-1]), packed, weight).view(*x.shape[:-1], weight.shape[0])
         return y if bias is None else y + bias
