@@ -93,25 +93,47 @@ def test_k_rows_equal_k_one_row_calls(Bsz, K, H, P, N, G):
     assert_unchanged("ssm_state", state, one_state)
 
 
-@pytest.mark.parametrize("Bsz,K,G", [(3, 4, 2), (1, 1, 1), (2, 5, 1)], ids=["B3-K4-G2", "B1-K1", "B2-K5"])
-def test_b_and_c_views_of_the_xbc_rows_are_read_in_place(Bsz, K, G):
-    """B and C as the graph hands them, views of a step's xBC rows [x | B | C], give the outputs of contiguous
-    copies bit for bit, in mamba_write and in a prompt's mamba_scan_rows; so does a C whose rows lie otherwise."""
+def bc_layouts(xBC, H, P, G, N):
+    """B and C (Bsz, K, G, N) laid out as a step may hand them, each with the same values: views of xBC's rows,
+    contiguous copies, and layouts mamba_write must copy first or read with the right row stride."""
+    Bv = xBC[..., H * P:H * P + G * N].unflatten(-1, (G, N))
+    Cv = xBC[..., H * P + G * N:].unflatten(-1, (G, N))
+    wider = torch.cat([xBC, torch.randn(xBC.shape[0], 1, xBC.shape[-1])], dim=1)[:, :-1]  # sequences K+1 rows apart
+    spread = torch.stack([xBC, torch.randn_like(xBC)], dim=2).flatten(1, 2)[:, ::2]  # rows 2 C apart, evenly
+    n_apart = torch.stack([Bv, torch.randn_like(Bv)], dim=-1)[..., 0]  # N values 2 apart
+    one = xBC[:1, :1].clone().expand_as(xBC)  # every row the same values, stride 0
+    return {"views": (Bv, Cv), "contiguous": (Bv.contiguous(), Cv.contiguous()),
+            "C-transposed": (Bv, Cv.transpose(0, 1).contiguous().transpose(0, 1)),
+            "sequences-apart": (wider[..., H * P:H * P + G * N].unflatten(-1, (G, N)),
+                                wider[..., H * P + G * N:].unflatten(-1, (G, N))),
+            "rows-apart": (spread[..., H * P:H * P + G * N].unflatten(-1, (G, N)),
+                           spread[..., H * P + G * N:].unflatten(-1, (G, N))),
+            "N-apart": (n_apart, Cv),
+            "expanded": (one[..., H * P:H * P + G * N].unflatten(-1, (G, N)),
+                         one[..., H * P + G * N:].unflatten(-1, (G, N)))}
+
+
+@pytest.mark.parametrize("Bsz,K,G", [(3, 4, 2), (1, 1, 1), (2, 5, 1), (1, 3, 1)],
+                         ids=["B3-K4-G2", "B1-K1", "B2-K5", "B1-K3"])
+def test_b_and_c_are_read_in_any_layout(Bsz, K, G):
+    """B and C as the graph hands them (views of a step's xBC rows [x | B | C], read where they lie) or in any other
+    layout (read with their row stride, or copied first) give what contiguous copies give, bit for bit, in
+    mamba_write and in a prompt's mamba_scan_rows. A layout read with a wrong row stride would read other values."""
     H, P, N = 4, 12, 20
     decay, u = torch.rand(Bsz, K, H) * 0.98 + 0.01, torch.randn(Bsz, K, H, P)
     xBC = torch.randn(Bsz, K, H * P + 2 * G * N)
-    Bv = xBC[..., H * P:H * P + G * N].unflatten(-1, (G, N))
-    Cv = xBC[..., H * P + G * N:].unflatten(-1, (G, N))
     state, slots = torch.randn(S, H, P, N), slot_ids(Bsz)
-    outs = []
-    for Bm, Cm in ((Bv, Cv), (Bv.contiguous(), Cv.contiguous()), (Bv, Cv.transpose(0, 1).contiguous().transpose(0, 1))):
-        st, stash = state.clone(), torch.empty(Bsz, K, H, P, N)
-        outs.append((mamba_rows(st, stash, slots, decay, u, Bm, Cm), st, stash[:, :K - 1]))
-        scan_state = state[0].clone()
-        outs[-1] += (mamba_scan_rows(scan_state, decay[0], u[0], Bm[0], Cm[0]), scan_state)
-    for i, out in enumerate(outs[1:]):
-        for name, a, b in zip(("y", "ssm_state", "stash", "scan y", "scan state"), outs[0], out):
-            assert_unchanged(f"{name}, inputs {i + 1}", b, a)
+    outs = {}
+    for name, (Bm, Cm) in bc_layouts(xBC, H, P, G, N).items():
+        Bc, Cc = Bm.contiguous(), Cm.contiguous()
+        for inputs, (b, c) in (("as laid out", (Bm, Cm)), ("contiguous", (Bc, Cc))):
+            st, stash = state.clone(), torch.empty(Bsz, K, H, P, N)
+            scan_state = state[0].clone()
+            outs[name, inputs] = (mamba_rows(st, stash, slots, decay, u, b, c), st, stash[:, :K - 1],
+                                  mamba_scan_rows(scan_state, decay[0], u[0], b[0], c[0]), scan_state)
+        for what, a, b in zip(("y", "ssm_state", "stash", "scan y", "scan state"), outs[name, "contiguous"],
+                              outs[name, "as laid out"]):
+            assert_unchanged(f"{name}: {what}", a, b)
 
 
 def test_padded_batch_repeating_a_slot_reads_the_state_before_the_step():

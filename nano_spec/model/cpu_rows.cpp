@@ -508,15 +508,30 @@ Tensor rows_linear(const Tensor &x, const Tensor &packed, const Tensor &weight) 
   return at::linear(x, int8 ? rows_weight(packed, weight.size(0)) : weight);
 }
 
-// B and C (.., G, N) as (rows, G N) fp32 with one row stride: views of a step's xBC rows (each row's G N values
-// together, rows a stride apart) are read where they lie, anything else copied first
-std::pair<Tensor, Tensor> bc_rows(const Tensor &B, const Tensor &C, int64_t rows) {
-  int64_t width = B.size(-2) * B.size(-1);
-  Tensor b = dense_rows(B.to(at::kFloat).reshape({rows, width}), 1);
-  Tensor c = dense_rows(C.to(at::kFloat).reshape({rows, width}), 1);
-  if (c.stride(0) != b.stride(0)) c = c.contiguous();
-  if (c.stride(0) != b.stride(0)) b = b.contiguous();  // both contiguous: one row stride, width
-  return {b, c};
+// The stride between the rows of t (.., G, N), each row's G N values together, the rows (its leading dims, in order)
+// one stride apart; -1 where they do not lie so. Read off the strides: a reshape would cost a dispatch a call.
+int64_t row_stride(const Tensor &t) {
+  int64_t d = t.dim() - 1, row = 0, next = 0;  // the row stride; the stride the next leading dim out must have
+  if ((t.size(d) != 1 && t.stride(d) != 1) || (t.size(d - 1) != 1 && t.stride(d - 1) != t.size(d))) return -1;
+  for (d -= 2; d >= 0; d--) {
+    if (t.size(d) == 1) continue;
+    if (t.stride(d) <= 0 || (row && t.stride(d) != next)) return -1;  // an expanded dim (stride 0) too
+    row = row ? row : t.stride(d);
+    next = t.stride(d) * t.size(d);
+  }
+  return row ? row : t.size(-2) * t.size(-1);  // rows of one: any stride serves
+}
+
+// B and C (.., G, N) fp32 with one row stride (returned): views of a step's xBC rows are read where they lie,
+// anything else copied first
+std::tuple<Tensor, Tensor, int64_t> bc_rows(const Tensor &B, const Tensor &C) {
+  Tensor b = B.to(at::kFloat), c = C.to(at::kFloat);
+  int64_t row = row_stride(b);
+  if (row == -1 || row_stride(c) != row) {
+    b = b.contiguous(), c = c.contiguous();
+    row = B.size(-2) * B.size(-1);
+  }
+  return {b, c, row};
 }
 
 Tensor mamba_write(const Tensor &conv_state, const Tensor &ssm_state, const Tensor &conv_stash,
@@ -546,9 +561,9 @@ Tensor mamba_write(const Tensor &conv_state, const Tensor &ssm_state, const Tens
   Tensor slots = slot_ids.to(at::kLong).contiguous();
   check_slots("mamba_write", slots, S);  // before anything is written
   Tensor d = decay.to(at::kFloat).contiguous(), uc = u.to(at::kFloat).contiguous(), win = window.contiguous();
-  auto [Bc, Cm] = bc_rows(B, C, nb * K);
+  auto [Bc, Cm, row] = bc_rows(B, C);
   Tensor y = at::empty({nb, K, H, P}, u.options().dtype(at::kFloat));
-  mamba_rows(d.data_ptr<float>(), uc.data_ptr<float>(), Bc.data_ptr<float>(), Cm.data_ptr<float>(), Bc.stride(0),
+  mamba_rows(d.data_ptr<float>(), uc.data_ptr<float>(), Bc.data_ptr<float>(), Cm.data_ptr<float>(), row,
              ssm_state.data_ptr<float>(), ssm_state.stride(0), slots.data_ptr<int64_t>(),
              ssm_stash.data_ptr<float>(), y.data_ptr<float>(), nb, K, H, G, P, N);
   // the conv: the window into the stash, its last W-1 columns into the slot
@@ -596,14 +611,14 @@ Tensor mamba_scan_rows(const Tensor &state, const Tensor &decay, const Tensor &u
                     "mamba_scan_rows: state must be a contiguous fp32 (H, P, N), decay (T, H), u (T, H, P), B and C "
                     "(T, G, N) with G dividing H");
   Tensor d = decay.to(at::kFloat).contiguous(), uc = u.to(at::kFloat).contiguous();
-  auto [Bc, Cm] = bc_rows(B, C, T);
+  auto [Bc, Cm, row] = bc_rows(B, C);
   Tensor y = at::empty({T, H, P}, u.options().dtype(at::kFloat));
   float *s = state.data_ptr<float>(), *yp = y.data_ptr<float>();
   const float *dp = d.data_ptr<float>(), *up = uc.data_ptr<float>(), *Bp = Bc.data_ptr<float>(),
               *Cp = Cm.data_ptr<float>();
   at::parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {  // heads are independent: shared out over the threads
     for (int64_t h = h0; h < h1; h++)
-      mamba_head(dp, up, Bp, Cp, Bc.stride(0), s + h * P * N, nullptr, nullptr, nullptr, yp, 0, h, T, H, G, P, N);
+      mamba_head(dp, up, Bp, Cp, row, s + h * P * N, nullptr, nullptr, nullptr, yp, 0, h, T, H, G, P, N);
   });
   return y;
 }

@@ -34,7 +34,8 @@ def mamba_verify(xBC, dt, conv_state, ssm_state, slot_ids, conv_weight, conv_bia
     C++."""
     H, P = ssm_state.shape[1], ssm_state.shape[2]
     window = torch.cat([conv_state[slot_ids], xBC.transpose(1, 2).to(conv_state.dtype)], dim=-1)  # (B, C, W-1+K)
-    x, Bg, Cg = split_xbc(conv_silu_ref(window, conv_weight, conv_bias), H, P, n_groups)  # (B, K, ...) fp32
+    xbc = conv_silu_ref(window, conv_weight, conv_bias).contiguous()  # (B, K, C) fp32, each row's C values together
+    x, Bg, Cg = split_xbc(xbc, H, P, n_groups)  # views: mamba_write reads B and C where they lie
     dt, decay = dt_and_decay(dt, dt_bias, A_log, dt_limit)  # (B, K, H) each
     y = mamba_write(conv_state, ssm_state, conv_stash, ssm_stash, slot_ids, window, decay, dt[..., None] * x, Bg, Cg)
     return (y + D.float()[:, None] * x).to(xBC.dtype)  # y_j = S_j C_j + D x_j
