@@ -139,7 +139,8 @@ def cpu_op(schema: str, meta=lambda *args: None):
 # (B, K, H, P, N) fp32, contiguous, written: the stash's rows 0..K-2 only where the slots differ (the last row's
 # state, which no commit reads, goes straight to the live state), all K where a padded batch repeats a slot; window
 # (B, C, W-1+K) the conv's inputs (the slot's last W-1 and the K new); decay (B, K, H), u (B, K, H, P), B and C
-# (B, K, G, N). Returns y (B, K, H, P) fp32, without the D x skip.
+# (B, K, G, N), read where they lie when each row's G N values are together and the rows one stride apart (views
+# of the step's xBC rows), else copied. Returns y (B, K, H, P) fp32, without the D x skip.
 mamba_write = cpu_op(
     "mamba_write(Tensor(a!) conv_state, Tensor(b!) ssm_state, Tensor(c!) conv_stash, Tensor(d!) ssm_stash, "
     "Tensor slot_ids, Tensor window, Tensor decay, Tensor u, Tensor B, Tensor C) -> Tensor",
