@@ -453,16 +453,19 @@ void copy_window(char *dst, const char *src, int64_t C, int64_t Wm1, int64_t wid
   for (int64_t c = 0; c < C; c++) std::memcpy(dst + c * Wm1 * es, src + (c * width + col) * es, Wm1 * es);
 }
 
-// t itself where each of its rows (its last `dims` dims) lies contiguous, the rows any stride apart (views of a
-// step's fused products are read where they lie); else a contiguous copy
-Tensor dense_rows(const Tensor &t, int dims) {
+// Whether each row of t (its last `dims` dims) lies contiguous, the rows any stride apart
+bool rows_dense(const Tensor &t, int dims) {
   int64_t dense = 1;  // a dense row's stride at dim d: the product of the sizes after it
   for (int64_t d = t.dim() - 1; d >= t.dim() - dims; d--) {
-    if (t.size(d) != 1 && t.stride(d) != dense) return t.contiguous();
+    if (t.size(d) != 1 && t.stride(d) != dense) return false;
     dense *= t.size(d);
   }
-  return t;
+  return true;
 }
+
+// t itself where its rows are dense (views of a step's fused products are read where they lie); else a contiguous
+// copy
+Tensor dense_rows(const Tensor &t, int dims) { return rows_dense(t, dims) ? t : t.contiguous(); }
 
 void check_slots(const char *op, const Tensor &slots, int64_t num_slots) {
   const int64_t *s = slots.data_ptr<int64_t>();
@@ -511,9 +514,9 @@ Tensor rows_linear(const Tensor &x, const Tensor &packed, const Tensor &weight) 
 // The stride between the rows of t (.., G, N), each row's G N values together, the rows (its leading dims, in order)
 // one stride apart; -1 where they do not lie so. Read off the strides: a reshape would cost a dispatch a call.
 int64_t row_stride(const Tensor &t) {
-  int64_t d = t.dim() - 1, row = 0, next = 0;  // the row stride; the stride the next leading dim out must have
-  if ((t.size(d) != 1 && t.stride(d) != 1) || (t.size(d - 1) != 1 && t.stride(d - 1) != t.size(d))) return -1;
-  for (d -= 2; d >= 0; d--) {
+  if (!rows_dense(t, 2)) return -1;
+  int64_t row = 0, next = 0;  // the row stride; the stride the next leading dim out must have
+  for (int64_t d = t.dim() - 3; d >= 0; d--) {
     if (t.size(d) == 1) continue;
     if (t.stride(d) <= 0 || (row && t.stride(d) != next)) return -1;  // an expanded dim (stride 0) too
     row = row ? row : t.stride(d);
