@@ -206,6 +206,41 @@ def test_a_growing_sequence_makes_no_new_graph(ckpt):
     assert [key[2] for key in compiled.runner.graph.seen] == [compiled.runner.graph.kv_max]  # kv: the cache's rows
 
 
+@torch.no_grad()
+def test_a_compiled_prompt_fills_its_slot_as_the_eager_one(ckpt):
+    """A compiled engine's prompts run a graph per layer kind (PromptGraph) over any row count: the slot's Mamba
+    states and K/V rows and the hidden rows equal an eager engine's (torch references, chunked SSD) at awkward
+    lengths, the other slots keep every value (tolerance 0), and past the row counts dynamo makes apart one graph
+    per kind serves every length."""
+    from helpers import assert_close
+
+    kw = dict(proposer="none", num_drafts=0, max_batch=3, backend="torch", device="cpu", max_seq_len=64)
+    eager, compiled = LLM(ckpt, **kw).runner, LLM(ckpt, compile=True, **kw).runner
+    c, e = compiled.cache, eager.cache
+    names = ("ssm_state", "conv_state", "k", "v")
+    for name in names:
+        getattr(c, name).normal_()  # the other slots' values, to be kept bit for bit
+    before = {name: getattr(c, name).clone() for name in names}
+    ids = torch.randint(1, compiled.cfg.vocab_size, (41,), generator=torch.Generator().manual_seed(3))
+    for T in (1, 2, 5, 17, 23, 41):
+        e.reset_slot(0)
+        c.reset_slot(1)
+        ref = eager.model.prefill(ids[:T], 0, e)
+        out = compiled.model.prefill(ids[:T], 1, c, run=compiled.prompt)
+        assert_close(f"T={T} hidden", ref, out)
+        for name in ("ssm_state", "conv_state"):
+            assert_close(f"T={T} {name}", getattr(e, name)[:, 0], getattr(c, name)[:, 1])
+        for name in ("k", "v"):
+            assert_close(f"T={T} {name}", getattr(e, name)[:, 0, :T], getattr(c, name)[:, 1, :T])
+            assert torch.equal(getattr(c, name)[:, 1, T:], before[name][:, 1, T:]), (T, name)  # rows past the prompt
+        for name in names:
+            assert torch.equal(getattr(c, name)[:, ::2], before[name][:, ::2]), (T, name)  # slots 0 and 2
+        if T == 17:
+            made = compiled.prompt.made[torch.get_num_threads()]
+    assert compiled.prompt.made[torch.get_num_threads()] == made  # 23 and 41 rows ran in 17's graphs
+    assert len({kind for _, kind in compiled.prompt.traced}) == 2  # a graph per kind: the 4 Mamba layers share one
+
+
 def test_compile_flag_checked(ckpt):
     with pytest.raises(ValueError, match="compile"):
         LLM(ckpt, compile="yes", backend="torch", device="cpu")
@@ -304,11 +339,12 @@ def test_graph_check_script(ckpt, capsys):
 def allocations(src: str) -> list:
     """The sizes of the buffers a graph's generated code allocates, as tuples: inductor's Python wrapper calls
     empty_strided_cpu((sizes), ...); its C++ wrapper (cpp_wrapper) names a constant array of the sizes in
-    aoti_torch_empty_strided(ndim, sizes, strides, ...)."""
+    aoti_torch_empty_strided(ndim, sizes, strides, ...). A size with a symbol (s17: a prompt's rows, PromptGraph,
+    whose graphs are handed no cache) is left out."""
     dims = lambda text: tuple(int(d.strip().rstrip("L")) for d in text.split(",") if d.strip())  # noqa: E731
     arrays = {name: dims(v) for name, v in re.findall(r"int64_t (\w+)\[\] = \{([\dL, ]*)\}", src)}
     return [dims(d) for d in re.findall(r"empty_strided_cpu\(\(([\d, ]+)\)", src)] + \
-        [arrays[name] for name in re.findall(r"aoti_torch_empty_strided\(\d+, (\w+),", src)]
+        [arrays[name] for name in re.findall(r"aoti_torch_empty_strided\(\d+, (\w+),", src) if name in arrays]
 
 
 def test_compiled_step_writes_the_caches_where_they_lie(ckpt):
@@ -338,8 +374,8 @@ def test_compiled_step_writes_the_caches_where_they_lie(ckpt):
 
 def test_the_steps_ops_copy_none_of_their_inputs(ckpt):
     """The compiled step hands the C++ ops (cpu_rows) their inputs laid out as they read them: inside a graph's call,
-    no op of ours copies an input first (a copy is ~10 us of dispatch and allocation, ~2 per Mamba layer of a K-row
-    verify when the graph handed B and C column-major). A prompt's ops, run eager outside the graphs, may."""
+    a step's or a prompt's, no op of ours copies an input first (a copy is ~10 us of dispatch and allocation, ~2 per
+    Mamba layer of a K-row verify when the graph handed B and C column-major)."""
     from torch.profiler import ProfilerActivity, profile
 
     llm = LLM(ckpt, proposer="mtp", num_drafts=3, max_batch=2, backend="torch", device="cpu", compile=True)
@@ -479,10 +515,12 @@ def test_each_graph_is_announced_before_it_compiles(ckpt):
     llm.watch_compile(lambda what, n, most, threads: heard.append((what, n, most, llm.runner.compile_seconds())))
     tokens(llm, PROMPTS[:2], GREEDY)
     calls = {c.label: c for c in llm.runner.compiled_calls()}
-    assert {what for what, *_ in heard} == set(calls) == {"step"}
-    for what, call in calls.items():
-        ns = [n for w, n, *_ in heard if w == what]
-        assert ns == list(range(1, len(call.seen) + 1)) and all(n <= call.most for n in ns), (what, ns)
+    assert {what for what, *_ in heard} == set(calls) == {"step", "prompt"}
+    step, prompt = calls["step"], calls["prompt"]
+    ns = [(n, most) for w, n, most, _ in heard if w == "step"]
+    assert ns == [(n, step.most) for n in range(1, len(step.seen) + 1)], ns
+    ns = [(n, most) for w, n, most, _ in heard if w == "prompt"]  # a graph per layer kind, for the prompts' lengths
+    assert ns == [(n, None) for n in range(1, prompt.made[1] + 1)] and prompt.made[1] >= 2, ns
     assert heard[0][3] == 0.0  # heard before the first graph's compile time was counted
     before = len(heard)
     tokens(llm, PROMPTS[:2], GREEDY)

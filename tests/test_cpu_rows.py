@@ -195,13 +195,17 @@ def test_prompt_scan_matches_the_recurrent_reference(shape, bias):
                          ids=["T2-short-of-the-window", "T37", "T37-bf16", "T37-columns-of-wider-rows"])
 def test_prompt_conv_equals_shifted_sums(T, dtype, cols):
     """conv_rows, a prompt's causal conv from a zero window, against W shifted multiply-adds in torch, bit for bit
-    (x also as the first C columns of wider rows, as a prompt's xBC is of its in_proj's); a bias of the wrong size is
-    refused."""
+    (x also as the first C columns of wider rows, as a prompt's xBC is of its in_proj's; the weight (C, W) as it is,
+    and as a view whose taps' C values lie together, in rows C and C + 3 apart, as a compiled prompt hands it);
+    a bias of the wrong size is refused."""
     C, W = 21, 4
     x, w, bias = torch.randn(T, cols).to(dtype)[:, :C], torch.randn(C, W), torch.randn(C)
     xpad = F.pad(x.float(), (0, 0, W - 1, 0))  # (W-1+T, C)
     ref = sum(xpad[k:k + T] * w[:, k] for k in range(W)) + bias
-    assert_unchanged("conv", ref, conv_rows(x, w, bias))
+    wide = torch.zeros(W, C + 3)
+    wide[:, :C] = w.t()
+    for name, taps in (("(C, W)", w), ("(W, C) rows", w.t().contiguous().t()), ("(W, C + 3) rows", wide[:, :C].t())):
+        assert_unchanged(f"conv, weight {name}", ref, conv_rows(x, taps, bias))
     with pytest.raises(ValueError, match=r"conv_rows: x must be \(T, C\), weight \(C, W\) and bias \(C,\)"):
         conv_rows(x, w, bias[:-1])
 

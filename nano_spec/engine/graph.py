@@ -1,4 +1,4 @@
-"""How the device part of a step runs (docs/DESIGN.md §12). Nothing else in the package knows which mode runs.
+"""How a step's device part, and a prompt's layers (PromptGraph), run (docs/DESIGN.md §12): nothing else knows.
 
     eager       the step function as Python calls it; the default, and the reference the other modes equal
     compiled    the function through torch.compile, one graph per bucket (the CPU's mode under LLM(compile=True))
@@ -83,37 +83,53 @@ class Compiled:
         object, and a hit limit is an error rather than a silent fall back to eager."""
 
     def __init__(self, fn, template: bool = False):
-        options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
-                   "emulate_precision_casts": True, "size_asserts": False, "cpp_wrapper": True}
         self.fn, self.template, self.check_guards = own_code(fn), template, False
-        self.traced = torch.compile(self.fn, fullgraph=True, dynamic=False, options=options)
+        self.traced = torch.compile(self.fn, fullgraph=True, dynamic=False, options=OPTIONS)
         self.graphs = {}  # key -> (dynamo's code for the graph as a method of fn's instance, the graph's guards)
 
     def __call__(self, key, *args, **kwargs):
         made = self.graphs.get(key)
         if made is None:
-            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True), \
-                    frozen_gemm() if self.template else nullcontext():
+            with making(), frozen_gemm() if self.template else nullcontext():
                 out = self.traced(*args, **kwargs)
             self.graphs[key] = self._made(args, kwargs)
             return out
-        if self.check_guards and not made.guards.check(f_locals := self._locals(args, kwargs)):
+        if self.check_guards and not made.guards.check(f_locals := call_locals(self.fn, args, kwargs)):
             raise RuntimeError(f"compiled: key {key} names a graph made for other inputs: "
                                f"{made.guards.check_verbose(f_locals).verbose_code_parts}")
         return made(args, kwargs, check=self.check_guards)
 
-    def _locals(self, args, kwargs) -> dict:
-        bound = inspect.signature(self.fn.__func__).bind(self.fn.__self__, *args, **kwargs)
-        bound.apply_defaults()
-        return bound.arguments
-
     def _made(self, args, kwargs) -> "Bound":
         """The graph dynamo runs for these arguments (the one whose guards pass), bound on its next call."""
-        f, f_locals = self.fn.__func__, self._locals(args, kwargs)
-        entry = next((e for e in _debug_get_cache_entry_list(f.__code__) if e.guard_manager.check(f_locals)), None)
+        f = self.fn.__func__
+        entry = graph_for(self.fn, args, kwargs)
         if entry is None:  # the call changed what its own graph's guards read
             raise RuntimeError(f"compiled: no graph of {f.__name__} takes the arguments it was just made for")
         return Bound(f, entry.code, self.fn.__self__, entry.guard_manager)
+
+
+# torch.compile's options for nano_spec's graphs (Compiled says why each)
+OPTIONS = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe, "emulate_precision_casts": True,
+           "size_asserts": False, "cpp_wrapper": True}
+
+
+def making():
+    """Dynamo's settings around a call that may make a graph (Compiled's last point)."""
+    return torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True)
+
+
+def call_locals(method, args, kwargs) -> dict:
+    """A bound method's call as its frame's locals (what dynamo's guards read)."""
+    bound = inspect.signature(method.__func__).bind(method.__self__, *args, **kwargs)
+    bound.apply_defaults()
+    return bound.arguments
+
+
+def graph_for(method, args, kwargs):
+    """The cache entry of dynamo's graph of the method's code that takes these arguments (its guards pass), or None."""
+    f_locals = call_locals(method, args, kwargs)
+    return next((e for e in _debug_get_cache_entry_list(method.__func__.__code__) if e.guard_manager.check(f_locals)),
+                None)
 
 
 # What dynamo's code may do after calling its graph for Bound to call the graph alone: pick and pack its outputs
@@ -345,4 +361,40 @@ class StepGraph:
             if t is not None:
                 buf.copy_(t)
         graph.replay()
+        return out
+
+
+class PromptGraph:
+    """fn(layer, *rows), one layer of a prompt (HybridLM.prompt_layer, a pure function), in the engine's mode: eager
+    and cuda_graph call it as it is (a CUDA graph cannot take a varying row count); compiled, each layer kind runs
+    through torch.compile with the row count dynamic, where inductor fuses the norms, gates and SiLUs a prompt
+    otherwise runs op by op (docs/BENCHMARKS.md, "A compiled engine's prompts as graphs"). A kind's graph serves
+    all its layers, reading the weights of the layer handed in (the modules' guards are skipped, so each kind has
+    its own copy of fn's code), and every prompt length but those dynamo makes apart (one row; the few rows a
+    packed weight serves). Graphs are made per thread count; seconds and listener as StepGraph's (most: None)."""
+
+    label = "prompt"
+
+    def __init__(self, fn, mode: str):
+        self.fn, self.mode, self.seconds, self.listener = fn, mode, 0.0, None
+        self.traced = {}  # (threads, layer kind) -> (fn over its own code, it through torch.compile)
+        self.made = Counter()  # threads -> graphs made
+
+    def __call__(self, layer, *args):
+        if self.mode != "compiled":
+            return self.fn(layer, *args)
+        key = (torch.get_num_threads(), layer.kind)
+        if key not in self.traced:
+            fn = own_code(self.fn)
+            self.traced[key] = fn, torch.compile(fn, fullgraph=True, dynamic=True, options=OPTIONS)
+        fn, traced = self.traced[key]
+        if graph_for(fn, (layer, *args), {}) is not None:
+            return traced(layer, *args)
+        self.made[key[0]] += 1
+        if self.listener is not None:
+            self.listener(self.label, self.made[key[0]], None, key[0])
+        t0 = time.perf_counter()
+        with making():
+            out = traced(layer, *args)
+        self.seconds += time.perf_counter() - t0
         return out

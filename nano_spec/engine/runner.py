@@ -23,7 +23,7 @@ from nano_spec.model.model import HybridLM
 from nano_spec.model.sampling import BatchSampling, SamplingParams, accept_rule, token_logprobs
 from nano_spec.text.grammar import verify_bitmask
 from nano_spec.drafters.base import DeviceDrafter, Drafts, VerifiedRows
-from nano_spec.engine.graph import StepGraph, gemm_template, mode_of
+from nano_spec.engine.graph import PromptGraph, StepGraph, gemm_template, mode_of
 from nano_spec.engine.telemetry import Telemetry
 
 
@@ -65,6 +65,7 @@ class ModelRunner:
                                num_slots, self.cache.k.shape[2], per_bucket=2 * (self.max_drafts + 1),
                                template=gemm_template(sum(p.numel() * p.element_size() for p in model.parameters())),
                                nets=(self.model,), drafts=drafter.nets if self.device_drafter else ())
+        self.prompt = PromptGraph(self.model.prompt_layer, self.graph.mode)  # a prompt's layers in the same mode
         self.generators = [None] * num_slots
         # per-slot device copies, written at admission and advanced on the device after each accept rule,
         # so a step uploads nothing but the batch's slot ids (and those only when the batch changes)
@@ -88,7 +89,7 @@ class ModelRunner:
             ids = torch.tensor(seq.tokens, device=self.device)
             tapped = ids.new_empty(len(ids), len(self.taps) * self.cfg.hidden_size, dtype=self.dtype) if self.taps \
                 else None  # (T, nT*D)
-            hidden = self.model.prefill(ids, seq.slot, self.cache, tapped)  # (T, D)
+            hidden = self.model.prefill(ids, seq.slot, self.cache, tapped, self.prompt)  # (T, D)
             logits = self.model.logits(hidden[-1:])  # (1, V)
             sampling = BatchSampling.of([seq.params], self.device)
             self.sampling.write(seq.slot, sampling)
@@ -171,11 +172,12 @@ class ModelRunner:
         return isinstance(self.drafter, DeviceDrafter)
 
     def compiled_calls(self) -> list:
-        return [] if self.graph.mode == "eager" else [self.graph]
+        """The calls that make graphs in the engine's mode: the step's, and a compiled engine's prompts'."""
+        return {"eager": [], "compiled": [self.graph, self.prompt], "cuda_graph": [self.graph]}[self.graph.mode]
 
     def compile_seconds(self) -> float:
         """Time spent making graphs (compiling, loading from the on-disk cache, or capturing)."""
-        return self.graph.seconds
+        return sum(c.seconds for c in self.compiled_calls())
 
     # ---- helpers -------------------------------------------------------------------
     def _uniforms(self, seqs, n: int, all_greedy: bool):

@@ -585,8 +585,9 @@ Tensor conv_rows(const Tensor &x, const Tensor &weight, const std::optional<Tens
                         (!bias || (bias->dim() == 1 && bias->size(0) == x.size(1))),
                     "conv_rows: x must be (T, C), weight (C, W) and bias (C,)");
   int64_t T = x.size(0), C = x.size(1), W = weight.size(1);
-  Tensor xf = dense_rows(x.to(at::kFloat), 1), wt = weight.to(at::kFloat).t().contiguous();  // a prompt's xBC
-  int64_t xs = xf.stride(0);
+  // a prompt's xBC rows and the taps' rows (W, C) read where they lie when each row's C values are together
+  Tensor xf = dense_rows(x.to(at::kFloat), 1), wt = dense_rows(weight.to(at::kFloat).t(), 1);
+  int64_t xs = xf.stride(0), ws = wt.stride(0);
   Tensor bf = bias ? bias->to(at::kFloat).contiguous() : Tensor();
   Tensor y = at::zeros({T, C}, x.options().dtype(at::kFloat));
   const float *xp = xf.data_ptr<float>(), *wp = wt.data_ptr<float>(), *bp = bias ? bf.data_ptr<float>() : nullptr;
@@ -595,7 +596,7 @@ Tensor conv_rows(const Tensor &x, const Tensor &weight, const std::optional<Tens
     for (int64_t t = t0; t < t1; t++) {
       float *o = yp + t * C;
       for (int64_t k = std::max<int64_t>(0, W - 1 - t); k < W; k++) {  // tap k reads row t - (W-1) + k; none before 0
-        const float *xi = xp + (t - W + 1 + k) * xs, *wk = wp + k * C;
+        const float *xi = xp + (t - W + 1 + k) * xs, *wk = wp + k * ws;
         for (int64_t c = 0; c < C; c++) o[c] += xi[c] * wk[c];
       }
       for (int64_t c = 0; c < C && bp; c++) o[c] += bp[c];

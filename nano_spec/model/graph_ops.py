@@ -7,8 +7,9 @@ slice of a cache buffer becomes a copy of the whole buffer and a copy back, ever
 cache leaves it too (cpu_rows' `attend`, which reads the rows each query sees, not the graph's static KV length).
 No graph may hold commit_state_ref, which finds the rows that move with a host sync: a compiled step commits with
 cpu_rows' `commit_state`, a CUDA graph of the torch backend with `commit_rows` below. A compiled CPU step's
-products of a few rows by a weight are cpu_rows' too (`pack_linears`). A compiled engine's prompts, which run eager
-beside the graphs, scan in C++ (`mamba_scan`) and attend through torch's fused attention (`attention_prefill`).
+products of a few rows by a weight are cpu_rows' too (`pack_linears`). A compiled engine's prompts run graphs of
+their own (engine/graph.py: PromptGraph), which scan in C++ (`mamba_scan`) and attend through torch's fused attention
+(`attention_prefill`, also the MTP head's catch-up over a prompt, eager).
 """
 import torch
 import torch.nn.functional as F
@@ -43,11 +44,11 @@ def mamba_verify(xBC, dt, conv_state, ssm_state, slot_ids, conv_weight, conv_bia
 
 def mamba_scan(xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, n_groups: int, head_dim: int,
                dt_limit=(0.0, float("inf"))):
-    """mamba_scan_ref's contract for a compiled engine's prompts (run eager, outside the graphs): the conv and the T
-    rows' recurrence in C++, each head's state in L1 across the rows, in place of chunked SSD, whose small matmuls
-    and (c, H, l, l) decays cost ~10x their arithmetic on a CPU (docs/DESIGN.md §12); dt and the SiLU in torch."""
-    H = dt.shape[-1]
-    xbc = F.silu(conv_rows(xBC, conv_weight, conv_bias), inplace=True)  # (T, C) fp32
+    """mamba_scan_ref's contract for a compiled engine's prompts (a prompt's graph): the conv and the T rows'
+    recurrence in C++, each head's state in L1 across the rows, in place of chunked SSD, whose small matmuls and
+    (c, H, l, l) decays cost ~10x their arithmetic on a CPU (docs/DESIGN.md §12); dt and the SiLU in the graph."""
+    H, taps = dt.shape[-1], conv_weight.t().contiguous().t()  # (C, W), each tap's C values together: conv_rows's read
+    xbc = F.silu(conv_rows(xBC, taps, conv_bias), inplace=True)  # (T, C) fp32
     x, Bg, Cg = split_xbc(xbc, H, head_dim, n_groups)  # (T, ...)
     dt, decay = dt_and_decay(dt, dt_bias, A_log, dt_limit)  # (T, H) each
     state = torch.zeros(H, head_dim, Bg.shape[-1], dtype=torch.float32, device=xBC.device)  # (H, P, N)
@@ -66,9 +67,9 @@ def attention_verify(q, k, v, k_cache, v_cache, slot_ids, seq_lens, scale: float
 
 
 def attention_prefill(q, k, v, k_cache, v_cache, slot: int, scale: float, rope_theta=None):
-    """attention_prefill_ref's contract for a compiled engine's prompts (eager, outside the graphs): the rows
-    written, then torch's fused causal attention over them (SDPA, whose CPU kernel tiles the queries) in place of
-    the reference's (Hq, T, T) scores, about half the time at the shipped shape."""
+    """attention_prefill_ref's contract for a compiled engine's prompts (a prompt's graph; the MTP head's catch-up
+    over a prompt, eager): the rows written, then torch's fused causal attention over them (SDPA, whose CPU kernel
+    tiles the queries) in place of the reference's (Hq, T, T) scores, about half the time at the shipped shape."""
     T, dtype = q.shape[0], q.dtype
     pos = torch.arange(T, device=q.device)
     k_cache[slot, :T], v_cache[slot, :T] = apply_rope_ref(k, pos, rope_theta), v  # k is cached rotated
@@ -115,7 +116,7 @@ def use_graph_ops(ops, compiled: bool):
     if compiled:
         library()
         ops.mamba_verify, ops.attention_verify, ops.commit_state = mamba_verify, attention_verify, commit_state
-        ops.mamba_scan, ops.attention_prefill = mamba_scan, attention_prefill  # a prompt's, eager
+        ops.mamba_scan, ops.attention_prefill = mamba_scan, attention_prefill  # a prompt's
         ops.attention_block = attention_block
     elif ops.backend == "torch":
         ops.commit_state = commit_rows

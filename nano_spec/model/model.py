@@ -156,23 +156,31 @@ class HybridLM(nn.Module):
         out = self.lm_head(y) if self.lm_head is not None else linear(y, self.tied_head, None, self.head_packed)
         return out / self.cfg.logits_scaling
 
-    def _stack(self, h, layers, final_norm: Norm, mix, taps=(), tapped_out=None):
-        """Run decoder layers over the residual stream h (..., D); mix(i, layer, y) is the mixer. taps maps a layer
-        to a column block of tapped_out (..., nT*D), which receives the residual after that layer (a block drafter's
-        context, DESIGN §13).
-
-        Each RMSNorm is fused with the residual add before it. Returns the final-normed y.
+    def _stack(self, h, layers, final_norm: Norm, run, taps=(), tapped_out=None):
+        """Run decoder layers over the residual stream h (..., D); run(i, layer, y, h, w) runs layer i from its
+        normed input y and returns (y, h) for the next, y normed by w (the next layer's input norm, or the final
+        one): _mixed(mix) or a prompt's layers. taps maps a layer to a column block of tapped_out (..., nT*D), which
+        receives the residual after that layer (a block drafter's context, DESIGN §13). Returns the final-normed y.
         """
-        eps, rm, D = self.cfg.rms_norm_eps, self.cfg.residual_multiplier, self.cfg.hidden_size
-        y, h = self.ops.rmsnorm(h, layers[0].input_layernorm.weight, eps)
+        D = self.cfg.hidden_size
+        y, h = self.ops.rmsnorm(h, layers[0].input_layernorm.weight, self.cfg.rms_norm_eps)
         for i, layer in enumerate(layers):
-            out = mix(i, layer, y)
-            y, h = self.ops.rmsnorm(out, layer.post_attention_layernorm.weight, eps, residual=h, multiplier=rm)
             nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else final_norm
-            y, h = self.ops.rmsnorm(layer.shared_mlp(y), nxt.weight, eps, residual=h, multiplier=rm)
+            y, h = run(i, layer, y, h, nxt.weight)
             if i in taps:
                 tapped_out[..., taps[i] * D : (taps[i] + 1) * D] = h
         return y
+
+    def _mixed(self, mix):
+        """A layer runner for _stack from mix(i, layer, y), the mixer's output."""
+        return lambda i, layer, y, h, w: self._finish(layer, mix(i, layer, y), h, w)
+
+    def _finish(self, layer, out, h, w):
+        """A layer after its mixer's output out: h += rm * out, normed; the MLP; h += rm * MLP, normed by w -> (y, h).
+        Each RMSNorm is fused with the residual add before it."""
+        eps, rm = self.cfg.rms_norm_eps, self.cfg.residual_multiplier
+        y, h = self.ops.rmsnorm(out, layer.post_attention_layernorm.weight, eps, residual=h, multiplier=rm)
+        return self.ops.rmsnorm(layer.shared_mlp(y), w, eps, residual=h, multiplier=rm)
 
     def _mamba_out(self, m: Mamba, y, z):
         """y (..., H, P) from the scan, z (..., d_in) -> out_proj(norm(y * silu(z)))."""
@@ -209,7 +217,7 @@ class HybridLM(nn.Module):
                 return self._mamba_out(layer.mamba, ys, z)
             return self._attend_nocache(layer.self_attn, y, pos)
 
-        return self._stack(self.embed(ids), self.model.layers, self.model.norm, mix,
+        return self._stack(self.embed(ids), self.model.layers, self.model.norm, self._mixed(mix),
                            {layer: i for i, layer in enumerate(taps)}, tapped_out)
 
     def _attend_nocache(self, attn: Attention, y, pos):
@@ -222,20 +230,39 @@ class HybridLM(nn.Module):
         return attn.o_proj(o.transpose(1, 2).flatten(2))
 
     # ---- 2. prefill of one prompt into a slot ------------------------------------------------
-    def prefill(self, ids, slot: int, cache: HybridCache, tapped_out=None):
+    def prefill(self, ids, slot: int, cache: HybridCache, tapped_out=None, run=None):
         """ids (T,) from zero state into cache slot `slot` -> final-normed hidden (T, D).
-        tapped_out (T, nT*D), if given, receives the rows of the layers in cache.tap_index."""
-        def mix(i, layer, y):  # y (T, D)
+        tapped_out (T, nT*D), if given, receives the rows of the layers in cache.tap_index. run: prompt_layer, or
+        the form the engine's mode runs it in (engine/graph.py: PromptGraph); each layer's state goes into the slot."""
+        run, T = run or self.prompt_layer, ids.shape[0]
+
+        def into_slot(i, layer, y, h, w):
+            y, h, a, b = run(layer, y, h, w)
             if layer.kind == "mamba":
                 m = cache.mamba_index[i]
-                z, xBC, dt = layer.mamba.split(y)
-                ys, cache.ssm_state[m, slot], cache.conv_state[m, slot] = self._scan(layer.mamba, xBC, dt)
-                return self._mamba_out(layer.mamba, ys, z)
-            a = cache.attn_index[i]
-            return self._attend(layer.self_attn, y, cache.k[a], cache.v[a], slot)
+                cache.ssm_state[m, slot], cache.conv_state[m, slot] = a, b
+            else:
+                j = cache.attn_index[i]
+                cache.k[j, slot, :T], cache.v[j, slot, :T] = a, b
+            return y, h
 
         taps = cache.tap_index if tapped_out is not None else ()
-        return self._stack(self.embed(ids), self.model.layers, self.model.norm, mix, taps, tapped_out)
+        return self._stack(self.embed(ids), self.model.layers, self.model.norm, into_slot, taps, tapped_out)
+
+    def prompt_layer(self, layer: DecoderLayer, y, h, w):
+        """One layer over a prompt's T rows from zero state, writing no cache: y (T, D) its normed input, h (T, D)
+        the residual, w the next norm's weight -> (y, h) for the next layer (_stack's) and the layer's state, a Mamba
+        layer's ssm (H, P, N) and conv window (C, W-1), an attention layer's K rows, rotated as cached, and V rows
+        (T, Hkv, Dh). A pure function of its inputs: a compiled engine runs it as a graph per layer kind."""
+        if layer.kind == "mamba":
+            z, xBC, dt = layer.mamba.split(y)
+            ys, *state = self._scan(layer.mamba, xBC, dt)
+            out = self._mamba_out(layer.mamba, ys, z)
+        else:
+            kv = y.new_empty(2, 1, y.shape[0], self.cfg.num_key_value_heads, self.cfg.head_dim)  # a T-row cache slot
+            out = self._attend(layer.self_attn, y, kv[0], kv[1], 0)
+            state = kv[:, 0]  # (2, T, Hkv, Dh)
+        return (*self._finish(layer, out, h, w), *state)
 
     # ---- 3. verify: B slots x K rows -----------------------------------------------------------
     def verify(self, ids, slot_ids, seq_lens, cache: HybridCache, kv_len: int | None = None):
@@ -259,7 +286,7 @@ class HybridLM(nn.Module):
             a = cache.attn_index[i]
             return self._attend(layer.self_attn, y, cache.k[a, :, :kv_len], cache.v[a, :, :kv_len], slot_ids, seq_lens)
 
-        y = self._stack(self.embed(ids), self.model.layers, self.model.norm, mix, cache.tap_index,
+        y = self._stack(self.embed(ids), self.model.layers, self.model.norm, self._mixed(mix), cache.tap_index,
                         cache.tap_stash(B, K))
         cache.hidden_stash(B, K).copy_(y)
         return self.logits(y)
