@@ -28,7 +28,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-from nano_spec.model.cpu_rows import DRAFT_DTYPE, pack_linears
+from nano_spec.model.cpu_rows import DRAFT_DTYPE, ROWS_MAX, pack_linears
 from nano_spec.model.graph_ops import use_graph_ops
 
 KV_MIN = 256  # the smallest KV bucket: each bucket is one more graph to make, and a short one saves little
@@ -370,8 +370,8 @@ class PromptGraph:
     through torch.compile with the row count dynamic, where inductor fuses the norms, gates and SiLUs a prompt
     otherwise runs op by op (docs/BENCHMARKS.md, "A compiled engine's prompts as graphs"). A kind's graph serves
     all its layers, reading the weights of the layer handed in (the modules' guards are skipped, so each kind has
-    its own copy of fn's code), and every prompt length but those dynamo makes apart (one row; the few rows a
-    packed weight serves). Graphs are made per thread count; seconds and listener as StepGraph's (most: None)."""
+    its own copy of fn's code), and every prompt of more than ROWS_MAX rows; shorter ones, little to fuse, run eager
+    (dynamo would make one row, and the rows a packed weight serves, graphs apart). seconds, listener: StepGraph's."""
 
     label = "prompt"
 
@@ -380,10 +380,10 @@ class PromptGraph:
         self.traced = {}  # (threads, layer kind) -> (fn over its own code, it through torch.compile)
         self.made = Counter()  # threads -> graphs made
 
-    def __call__(self, layer, *args):
-        if self.mode != "compiled":
-            return self.fn(layer, *args)
-        key = (torch.get_num_threads(), layer.kind)
+    def __call__(self, layer, y, *args):
+        if self.mode != "compiled" or y.shape[0] <= ROWS_MAX:
+            return self.fn(layer, y, *args)
+        key, args = (torch.get_num_threads(), layer.kind), (y, *args)
         if key not in self.traced:
             fn = own_code(self.fn)
             self.traced[key] = fn, torch.compile(fn, fullgraph=True, dynamic=True, options=OPTIONS)
