@@ -518,7 +518,7 @@ def test_each_graph_is_announced_before_it_compiles(ckpt):
     tokens(llm, prompts, GREEDY)
     calls = {c.label: c for c in llm.runner.compiled_calls()}
     assert {what for what, *_ in heard} == set(calls) == {"step", "prompt"}
-    step, prompt = calls["step"], calls["prompt"]
+    step = calls["step"]
     ns = [(n, most) for w, n, most, _ in heard if w == "step"]
     assert ns == [(n, step.most) for n in range(1, len(step.seen) + 1)], ns
     ns = [(n, most) for w, n, most, _ in heard if w == "prompt"]
