@@ -212,7 +212,7 @@ def test_a_compiled_prompt_fills_its_slot_as_the_eager_one(ckpt):
     eager: either way the slot's Mamba states and K/V rows and the hidden rows equal an eager engine's (torch
     references, chunked SSD) at awkward lengths, the other slots keep every value (tolerance 0), and the two graphs
     made at 17 rows serve 23 and 41."""
-    from helpers import assert_close
+    from helpers import assert_close, assert_unchanged
 
     from nano_spec.model.cpu_rows import ROWS_MAX
 
@@ -234,9 +234,9 @@ def test_a_compiled_prompt_fills_its_slot_as_the_eager_one(ckpt):
             assert_close(f"T={T} {name}", getattr(e, name)[:, 0], getattr(c, name)[:, 1])
         for name in ("k", "v"):
             assert_close(f"T={T} {name}", getattr(e, name)[:, 0, :T], getattr(c, name)[:, 1, :T])
-            assert torch.equal(getattr(c, name)[:, 1, T:], before[name][:, 1, T:]), (T, name)  # rows past the prompt
+            assert_unchanged(f"T={T} {name} rows past the prompt", before[name][:, 1, T:], getattr(c, name)[:, 1, T:])
         for name in names:
-            assert torch.equal(getattr(c, name)[:, ::2], before[name][:, ::2]), (T, name)  # slots 0 and 2
+            assert_unchanged(f"T={T} {name} slots 0 and 2", before[name][:, ::2], getattr(c, name)[:, ::2])
         made = compiled.prompt.made[torch.get_num_threads()]
         assert made == (0 if T <= ROWS_MAX else 2), (T, made)  # a graph per kind: the Mamba layers share one
 
