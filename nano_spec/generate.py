@@ -233,9 +233,8 @@ def demo(args, llm, params) -> list:
         text += method + o.text + "\n\n"
     origins = [x for o in outs for x in o.origins]
     n, drafted, st = len(origins), origins.count("draft"), llm.stats
-    if spec:  # decoding: every phase but the prompts' forward and the making of graphs (docs/DESIGN.md §7, §12)
-        decode = [sum(e.stats["phase_seconds"].values()) - e.stats["phase_seconds"]["prefill"]
-                  - e.stats["compile_seconds"] for e in (llm, plain)]
+    if spec:
+        decode = [decode_seconds(e.stats) for e in (llm, plain)]
         print(f"speculation: {n} tokens, {len(outs)} from prefills, the rest in {st['verify_steps']} verify steps (tau "
               f"{st['tau']:.2f}); {drafted} were accepted drafts, {n - drafted} the target's picks", file=sys.stderr)
         print(f"plain decoding of the same prompts, in turn with it: {'the same' if same else 'OTHER'} tokens in "
@@ -244,6 +243,13 @@ def demo(args, llm, params) -> list:
     if colour or args.show_drafts:
         print(legend(colour), file=sys.stderr)
     return outs
+
+
+def decode_seconds(st: dict) -> float:
+    """Decoding: every phase but the prompts' forward, less the making of step graphs (docs/DESIGN.md §7, §12).
+    A prompt graph is made inside the prefill phase, so it is already out."""
+    phases = st["phase_seconds"]
+    return sum(phases.values()) - phases["prefill"] - st["compile_seconds_by_call"].get("step", 0.0)
 
 
 def print_outputs(args, llm, outs: list):
@@ -267,7 +273,8 @@ def print_stats(st: dict, good: list, elapsed: float):
     print(f"{rate}tau {st['tau']:.3f}  accept_at [{accept}]  verify steps {st['verify_steps']}", file=sys.stderr)
     print("  threads " + ", ".join(f"{n} ({steps} steps)" for n, steps in st["threads"].items()), file=sys.stderr)
     if st["compile_seconds"]:
-        print(f"  compile {st['compile_seconds']:.1f} s (first calls of the compiled graphs; not in tokens/s)",
+        calls = "".join(f"{label} {s:.1f} s, " for label, s in st["compile_seconds_by_call"].items() if s)
+        print(f"  compile {st['compile_seconds']:.1f} s ({calls}first calls of the compiled graphs; not in tokens/s)",
               file=sys.stderr)
     print(f"  max_seq_len {st['max_seq_len']}  weights + caches {st['memory_bytes'] / 2**30:.2f} GiB of a "
           f"{st['memory_budget'] / 2**30:.2f} GiB budget", file=sys.stderr)

@@ -510,6 +510,8 @@ def test_cuda_graph_mode_replays_the_eager_tokens(ckpt, monkeypatch, proposer, p
 def test_each_graph_is_announced_before_it_compiles(ckpt):
     """watch_compile hears every graph once, before its first call, with the call's name, its count and the most
     its buckets allow; a warm engine compiles and says nothing."""
+    from nano_spec.generate import decode_seconds
+
     llm = LLM(ckpt, compile=True, proposer="mtp", num_drafts=3, max_batch=3, backend="torch", device="cpu",
               max_seq_len=96)
     heard = []
@@ -524,6 +526,12 @@ def test_each_graph_is_announced_before_it_compiles(ckpt):
     ns = [(n, most) for w, n, most, _ in heard if w == "prompt"]
     assert ns == [(1, None), (2, None)], ns  # a graph per layer kind
     assert heard[0][3] == 0.0  # heard before the first graph's compile time was counted
+    # each graph is made inside its own phase, so the demo's decoding time leaves out the step's alone
+    st, phases = llm.stats, llm.stats["phase_seconds"]
+    made = st["compile_seconds_by_call"]
+    assert made.keys() == {"step", "prompt"} and sum(made.values()) == st["compile_seconds"]
+    assert 0 < made["prompt"] < phases["prefill"] and 0 < made["step"] < phases["step"]
+    assert 0 < decode_seconds(st) < sum(phases.values()) - phases["prefill"]
     before = len(heard)
     tokens(llm, prompts, GREEDY)
     assert len(heard) == before

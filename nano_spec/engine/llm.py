@@ -249,6 +249,7 @@ class LLM:
             return {**self.telemetry.summary(), **(self.planner.summary() if self.planner else {}),
                     "grammar_compile_seconds": self.grammars.compile_seconds,
                     "grammars_compiled": self.grammars.num_compiled, "compile_seconds": self.runner.compile_seconds(),
+                    "compile_seconds_by_call": self.runner.compile_seconds_by_call(),
                     "threads": dict(sorted(self.threads.steps.items())), "max_seq_len": self.max_seq_len,
                     "memory_bytes": self.cache_bytes, "memory_budget": self.memory_budget}
 

@@ -179,6 +179,10 @@ class ModelRunner:
         """Time spent making graphs (compiling, loading from the on-disk cache, or capturing)."""
         return sum(c.seconds for c in self.compiled_calls())
 
+    def compile_seconds_by_call(self) -> dict:
+        """compile_seconds by call ("step", "prompt"): each is spent inside its own phase (step, prefill)."""
+        return {c.label: c.seconds for c in self.compiled_calls()}
+
     # ---- helpers -------------------------------------------------------------------
     def _uniforms(self, seqs, n: int, all_greedy: bool):
         """(B, n) uniforms, each row from its sequence's own generator (reproducible per request); None when
