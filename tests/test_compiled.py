@@ -5,6 +5,7 @@ capture needs.
 One compiled engine per proposer serves every case (its graphs are per bucket, not per request).
 """
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -271,8 +272,8 @@ def test_padded_batch_writes_like_row_0(ckpt):
 
 def test_gemm_template_tokens_equal_eager(ckpt, monkeypatch):
     """Weights past graph.TEMPLATE_FROM run their matmuls in inductor's C++ GEMM template over frozen weights (the
-    tiny model's are set past it here): MTP γ = 3 tokens at batch 1 and 3 with slot reuse, greedy and seeded
-    sampling, equal eager's; and a threshold above the weights leaves the template out. The first case's graph is
+    tiny model's are set past it here): MTP γ = 3 tokens at batch 1 (greedy) and 3 with slot reuse (seeded
+    sampling) equal eager's; and a threshold above the weights leaves the template out. The first case's graph is
     compiled afresh: one loaded from inductor's cache binds the frozen weights anew and hid a wrong freeze once."""
     from nano_spec.engine import graph
 
@@ -283,7 +284,7 @@ def test_gemm_template_tokens_equal_eager(ckpt, monkeypatch):
     compiled = LLM(ckpt, compile=True, **kw)
     assert compiled.runner.graph.template
     compiled.runner.graph.compiled.check_guards = True
-    for i, (prompts, params) in enumerate([(PROMPTS[:1], GREEDY), (PROMPTS, GREEDY), (PROMPTS, SAMPLED)]):
+    for i, (prompts, params) in enumerate([(PROMPTS[:1], GREEDY), (PROMPTS, SAMPLED)]):  # each bucket a template
         with torch._inductor.config.patch(force_disable_caches=i == 0):
             assert tokens(compiled, prompts, params) == tokens(eager, prompts, params), (len(prompts), params)
 
@@ -445,8 +446,10 @@ def test_the_step_function_holds_the_capture_conditions(ckpt, dflash_ckpt, propo
 
     llm.runner.graph.fn = watched
     before = buffers(llm)
-    want = tokens(LLM(dflash_ckpt if proposer == "dflash" else ckpt, **kw), PROMPTS[:3], params)
-    assert tokens(llm, PROMPTS[:3], params) == want  # the sync-free commit is the same commit
+    # interpreted, a Triton step takes seconds: two requests of a few steps each (batch 2, γ = 3, rejections)
+    prompts, params = (PROMPTS[:2], replace(params, max_new_tokens=8)) if backend == "triton" else (PROMPTS[:3], params)
+    want = tokens(LLM(dflash_ckpt if proposer == "dflash" else ckpt, **kw), prompts, params)
+    assert tokens(llm, prompts, params) == want  # the sync-free commit is the same commit
     assert steps and max(steps) == gamma and mode.touches == []
     after = buffers(llm)
     assert after.keys() == before.keys() and all(after[n][0] is t and after[n][1] == p for n, (t, p) in before.items())
