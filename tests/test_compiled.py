@@ -209,10 +209,10 @@ def test_a_growing_sequence_makes_no_new_graph(ckpt):
 
 @torch.no_grad()
 def test_a_compiled_prompt_fills_its_slot_as_the_eager_one(ckpt):
-    """A compiled engine's prompts of more than ROWS_MAX rows run a graph per layer kind (PromptGraph), shorter ones
-    eager: either way the slot's Mamba states and K/V rows and the hidden rows equal an eager engine's (torch
-    references, chunked SSD) at awkward lengths, the other slots keep every value (tolerance 0), and the two graphs
-    made at 17 rows serve 23 and 41."""
+    """A compiled engine's prompts of more than ROWS_MAX rows run their Mamba layers as one graph (PromptGraph), shorter
+    ones eager: either way the slot's Mamba states and K/V rows and the hidden rows equal an eager engine's (torch
+    references, chunked SSD) at awkward lengths, the other slots keep every value (tolerance 0), and the graph made
+    at 17 rows serves 23 and 41."""
     from helpers import assert_close, assert_unchanged
 
     from nano_spec.model.cpu_rows import ROWS_MAX
@@ -239,7 +239,7 @@ def test_a_compiled_prompt_fills_its_slot_as_the_eager_one(ckpt):
         for name in names:
             assert_unchanged(f"T={T} {name} slots 0 and 2", before[name][:, ::2], getattr(c, name)[:, ::2])
         made = compiled.prompt.made[torch.get_num_threads()]
-        assert made == (0 if T <= ROWS_MAX else 2), (T, made)  # a graph per kind: the Mamba layers share one
+        assert made == (0 if T <= ROWS_MAX else 1), (T, made)  # the Mamba layers share one; attention runs eager
 
 
 def test_compile_flag_checked(ckpt):
@@ -527,7 +527,7 @@ def test_each_graph_is_announced_before_it_compiles(ckpt):
     ns = [(n, most) for w, n, most, _ in heard if w == "step"]
     assert ns == [(n, step.most) for n in range(1, len(step.seen) + 1)], ns
     ns = [(n, most) for w, n, most, _ in heard if w == "prompt"]
-    assert ns == [(1, None), (2, None)], ns  # a graph per layer kind
+    assert ns == [(1, None)], ns  # one graph for the Mamba layers
     assert heard[0][3] == 0.0  # heard before the first graph's compile time was counted
     # each graph is made inside its own phase, so the demo's decoding time leaves out the step's alone
     st, phases = llm.stats, llm.stats["phase_seconds"]

@@ -366,33 +366,33 @@ class StepGraph:
 
 class PromptGraph:
     """fn(layer, *rows), one layer of a prompt (HybridLM.prompt_layer, a pure function), in the engine's mode: eager
-    and cuda_graph call it as it is (a CUDA graph cannot take a varying row count); compiled, each layer kind runs
-    through torch.compile with the row count dynamic, where inductor fuses the norms, gates and SiLUs a prompt
-    otherwise runs op by op (docs/BENCHMARKS.md, "A compiled engine's prompts as graphs"). A kind's graph serves
-    all its layers, reading the weights of the layer handed in (the modules' guards are skipped, so each kind has
-    its own copy of fn's code), and every prompt of more than ROWS_MAX rows; shorter ones, little to fuse, run eager
-    (dynamo would make one row, and the rows a packed weight serves, graphs apart). seconds, listener: StepGraph's."""
+    and cuda_graph call it as it is (a CUDA graph cannot take a varying row count); compiled, the Mamba layers run it
+    through torch.compile with the row count dynamic, one graph for all (the modules' guards are skipped: it reads
+    the weights of the layer handed in), where inductor fuses the gates, norms and SiLUs. The attention layers stay
+    eager: a graph of theirs saved ~2 % more of the prefill for a second or more of compiling (docs/BENCHMARKS.md,
+    "A compiled engine's prompts as graphs"). So do prompts of at most ROWS_MAX rows: little to fuse, and dynamo
+    would make one row, and the rows a packed weight serves, graphs apart. seconds, listener: StepGraph's."""
 
     label = "prompt"
 
     def __init__(self, fn, mode: str):
         self.fn, self.mode, self.seconds, self.listener = fn, mode, 0.0, None
-        self.traced = {}  # (threads, layer kind) -> (fn over its own code, it through torch.compile)
+        self.traced = {}  # threads -> (fn over its own code, it through torch.compile)
         self.made = Counter()  # threads -> graphs made
 
     def __call__(self, layer, y, *args):
-        if self.mode != "compiled" or y.shape[0] <= ROWS_MAX:
+        if self.mode != "compiled" or layer.kind != "mamba" or y.shape[0] <= ROWS_MAX:
             return self.fn(layer, y, *args)
-        key, args = (torch.get_num_threads(), layer.kind), (y, *args)
-        if key not in self.traced:
+        threads, args = torch.get_num_threads(), (y, *args)
+        if threads not in self.traced:
             fn = own_code(self.fn)
-            self.traced[key] = fn, torch.compile(fn, fullgraph=True, dynamic=True, options=OPTIONS)
-        fn, traced = self.traced[key]
+            self.traced[threads] = fn, torch.compile(fn, fullgraph=True, dynamic=True, options=OPTIONS)
+        fn, traced = self.traced[threads]
         if graph_for(fn, (layer, *args), {}) is not None:
             return traced(layer, *args)
-        self.made[key[0]] += 1
+        self.made[threads] += 1
         if self.listener is not None:
-            self.listener(self.label, self.made[key[0]], None, key[0])
+            self.listener(self.label, self.made[threads], None, threads)
         t0 = time.perf_counter()
         with making():
             out = traced(layer, *args)

@@ -7,9 +7,9 @@ slice of a cache buffer becomes a copy of the whole buffer and a copy back, ever
 cache leaves it too (cpu_rows' `attend`, which reads the rows each query sees, not the graph's static KV length).
 No graph may hold commit_state_ref, which finds the rows that move with a host sync: a compiled step commits with
 cpu_rows' `commit_state`, a CUDA graph of the torch backend with `commit_rows` below. A compiled CPU step's
-products of a few rows by a weight are cpu_rows' too (`pack_linears`). A compiled engine's prompts run graphs of
-their own (engine/graph.py: PromptGraph), which scan in C++ (`mamba_scan`) and attend through torch's fused attention
-(`attention_prefill`, also the MTP head's catch-up over a prompt, eager).
+products of a few rows by a weight are cpu_rows' too (`pack_linears`). A compiled engine's prompts run their Mamba
+layers as a graph of their own (engine/graph.py: PromptGraph), which scans in C++ (`mamba_scan`); they attend through
+torch's fused attention (`attention_prefill`, eager, as the MTP head's catch-up over a prompt does).
 """
 import torch
 import torch.nn.functional as F

@@ -253,7 +253,7 @@ class HybridLM(nn.Module):
         """One layer over a prompt's T rows from zero state, writing no cache: y (T, D) its normed input, h (T, D)
         the residual, w the next norm's weight -> (y, h) for the next layer (_stack's) and the layer's state, a Mamba
         layer's ssm (H, P, N) and conv window (C, W-1), an attention layer's K rows, rotated as cached, and V rows
-        (T, Hkv, Dh). A pure function of its inputs: a compiled engine runs it as a graph per layer kind."""
+        (T, Hkv, Dh). A pure function of its inputs: a compiled engine runs its Mamba layers as a graph."""
         if layer.kind == "mamba":
             z, xBC, dt = layer.mamba.split(y)
             ys, *state = self._scan(layer.mamba, xBC, dt)
