@@ -530,8 +530,8 @@ def test_each_graph_is_announced_before_it_compiles(ckpt):
     assert ns == [(1, None)], ns  # one graph for the Mamba layers
     assert heard[0][3] == 0.0  # heard before the first graph's compile time was counted
     # each graph is made inside its own phase, so the demo's decoding time leaves out the step's alone
-    st, phases = llm.stats, llm.stats["phase_seconds"]
-    made = st["compile_seconds_by_call"]
+    st = llm.stats
+    phases, made = st["phase_seconds"], st["compile_seconds_by_call"]
     assert made.keys() == {"step", "prompt"} and sum(made.values()) == st["compile_seconds"]
     assert 0 < made["prompt"] < phases["prefill"] and 0 < made["step"] < phases["step"]
     assert 0 < decode_seconds(st) < sum(phases.values()) - phases["prefill"]
