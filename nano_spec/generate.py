@@ -234,7 +234,7 @@ def demo(args, llm, params) -> list:
     origins = [x for o in outs for x in o.origins]
     n, drafted, st = len(origins), origins.count("draft"), llm.stats
     if spec:
-        decode = [decode_seconds(e.stats) for e in (llm, plain)]
+        decode = [decode_seconds(st), decode_seconds(plain.stats)]
         print(f"speculation: {n} tokens, {len(outs)} from prefills, the rest in {st['verify_steps']} verify steps (tau "
               f"{st['tau']:.2f}); {drafted} were accepted drafts, {n - drafted} the target's picks", file=sys.stderr)
         print(f"plain decoding of the same prompts, in turn with it: {'the same' if same else 'OTHER'} tokens in "

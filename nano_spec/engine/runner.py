@@ -177,7 +177,7 @@ class ModelRunner:
 
     def compile_seconds(self) -> float:
         """Time spent making graphs (compiling, loading from the on-disk cache, or capturing)."""
-        return sum(c.seconds for c in self.compiled_calls())
+        return sum(self.compile_seconds_by_call().values())
 
     def compile_seconds_by_call(self) -> dict:
         """compile_seconds by call ("step", "prompt"): each is spent inside its own phase (step, prefill)."""
