@@ -88,9 +88,12 @@ def test_compiled_tokens_equal_eager(ckpt, proposer, gamma):
             assert sum(eager.planner.hist.values()) == eager.scheduler.steps
             assert 0 < sum(compiled.planner.hist.values()) < compiled.scheduler.steps
     assert compiled.runner.graph.seen and not eager.runner.graph.seen
-    # the greedy, the sampled and the filtered steps each made their graphs; a step with a grammar ran eager
+    # the greedy, the sampled and the filtered steps each made their graphs, and so did the steps with a grammar,
+    # its mask (B, K, Vw) an input (their drafts were picked before, eager)
     kinds = {(dict(key[3])["all_greedy"], dict(key[3])["filtered"]) for key in compiled.runner.graph.seen}
     assert kinds == ({(True, False)} if gamma == "auto" else {(True, False), (False, False), (False, True)})
+    masked = [k for k in compiled.runner.graph.seen if k[4][3] is not None]
+    assert masked and all(compiled.runner.graph.calls[k] > 0 for k in masked)
 
 
 def test_bf16_compiled_plain_equals_bf16_eager(ckpt):
@@ -425,8 +428,9 @@ def buffers(llm) -> dict:
 @pytest.mark.parametrize("proposer, gamma, params, backend", [
     ("mtp", 3, GREEDY, "torch"), ("mtp", 3, SAMPLED, "torch"), ("mtp", 3, FILTERED, "torch"),
     ("dflash", 3, GREEDY, "torch"), ("ngram", 3, SAMPLED, "torch"), ("none", 0, GREEDY, "torch"),
-    ("mtp", 3, FILTERED, "triton")],
-    ids=["mtp-greedy", "mtp-sampled", "mtp-filtered", "dflash", "ngram-sampled", "plain", "mtp-filtered-triton"])
+    ("mtp", 3, SCHEMA, "torch"), ("mtp", 3, FILTERED, "triton")],
+    ids=["mtp-greedy", "mtp-sampled", "mtp-filtered", "dflash", "ngram-sampled", "plain", "mtp-schema",
+         "mtp-filtered-triton"])
 def test_the_step_function_holds_the_capture_conditions(ckpt, dflash_ckpt, proposer, gamma, params, backend):
     """The device step, the function a CUDA graph captures, run eager on the CPU with the ops as a graph binds them
     (the sync-free commit on the torch backend; the Triton kernels, interpreted, as the GPU runs them): no op syncs
@@ -471,8 +475,9 @@ class FakeCUDAGraph:
             o.copy_(n)
 
 
-@pytest.mark.parametrize("proposer, params", [("mtp", GREEDY), ("mtp", SAMPLED), ("mtp", FILTERED), ("ngram", SAMPLED)],
-                         ids=["mtp-greedy", "mtp-sampled", "mtp-filtered", "ngram-sampled"])
+@pytest.mark.parametrize("proposer, params", [("mtp", GREEDY), ("mtp", SAMPLED), ("mtp", FILTERED), ("ngram", SAMPLED),
+                                              ("mtp", SCHEMA)],
+                         ids=["mtp-greedy", "mtp-sampled", "mtp-filtered", "ngram-sampled", "mtp-schema"])
 def test_cuda_graph_mode_replays_the_eager_tokens(ckpt, monkeypatch, proposer, params):
     """The cuda_graph mode's bookkeeping, run on the CPU with a stand-in graph: a bucket's first call runs eager,
     its second captures, later calls copy their inputs into the captured buffers and replay; the tokens are the

@@ -269,11 +269,10 @@ def pad(t, Bp: int):
 
 
 class StepGraph:
-    """fn run in one mode: step(*batched, kv_len=, eager=False, **static) -> (fn's outputs cut to B rows, Bp).
+    """fn run in one mode: step(*batched, kv_len=, **static) -> (fn's outputs cut to B rows, Bp).
 
     batched: tensors (or None) with the batch in dim 0, padded to Bp; kv_len: the longest sequence after the step,
-    from host values, rounded up to its bucket; eager=True runs this call eager whatever the mode (a batch with host
-    work inside the step: a grammar). What fn writes into buffers is written at Bp rows.
+    from host values, rounded up to its bucket. What fn writes into buffers is written at Bp rows.
 
     seconds: the time of the calls that made a graph (compiled it, or captured it); `listener(label, n, most,
     threads)`, if set, hears of each graph before it is made: its count at this thread count, the most the buckets
@@ -311,9 +310,9 @@ class StepGraph:
             for net in () if self.template else drafts:
                 pack_linears(net, DRAFT_DTYPE)
 
-    def __call__(self, *batched, kv_len: int, eager: bool = False, **static):
+    def __call__(self, *batched, kv_len: int, **static):
         B = batched[0].shape[0]
-        if self.mode == "eager" or eager:
+        if self.mode == "eager":
             return self.fn(*batched, kv=min(kv_len, self.kv_max), phase=self.phase, **static), B
         Bp, kv = bucket(B, 1, self.num_slots), bucket(kv_len, self.kv_least, self.kv_max)
         key = (torch.get_num_threads(), Bp, kv, tuple(sorted(static.items())),

@@ -59,10 +59,11 @@ class ModelRunner:
         self.cache = HybridCache(self.cfg, num_slots, cache_len(max_seq_len, self.max_drafts), self.max_drafts + 1,
                                  self.device, self.dtype, self.taps)
         self.slot_ids = SlotIds(self.device)
-        # the device step in the engine's mode, one graph per (batch, γ, greedy or not, KV rows) bucket
+        # the device step in the engine's mode, one graph per bucket: (batch, KV rows) and the step's kind, of which
+        # there are 6 a γ: greedy, sampled or filtered, each with a grammar's mask or without
         self.graph = StepGraph(self._device_step, mode_of(compile, self.device), self.model.ops,
                                lambda name: self.tel.phase(name),  # looked up per call: a profiler may wrap it
-                               num_slots, self.cache.k.shape[2], per_bucket=2 * (self.max_drafts + 1),
+                               num_slots, self.cache.k.shape[2], per_bucket=6 * (self.max_drafts + 1),
                                template=gemm_template(sum(p.numel() * p.element_size() for p in model.parameters())),
                                nets=(self.model,), drafts=drafter.nets if self.device_drafter else ())
         self.prompt = PromptGraph(self.model.prompt_layer, self.graph.mode)  # a prompt's layers in the same mode
@@ -106,7 +107,9 @@ class ModelRunner:
     @torch.no_grad()
     def step(self, seqs, gamma: int) -> list:
         """Host work (random draws, a host drafter's drafts, a grammar's masks), then the device step in the
-        engine's mode (one graph; eager when the batch has a grammar), then the step's one device-to-host copy."""
+        engine's mode (one graph), then the step's one device-to-host copy. A batch with a grammar drafts here,
+        eager (each pick waits for the host's mask after the drafts before it), and hands the graph its drafts
+        and the verify's mask."""
         B, K, phase = len(seqs), gamma + 1, self.tel.phase
         slots = self.slot_ids(seqs)
         all_greedy = all(s.params.greedy for s in seqs)
@@ -125,7 +128,7 @@ class ModelRunner:
         given = () if in_step else (drafts.tokens, drafts.nd, drafts.probs, drafts.refused)
         (logits, emitted, na, packed), Bp = self.graph(
             slots, u_draft, u_verdict, bitmask, *given or (None,) * 4, kv_len=max(s.seq_len for s in seqs) + K,
-            eager=constrained, gamma=gamma, all_greedy=all_greedy, filtered=filtered, in_step=in_step)
+            gamma=gamma, all_greedy=all_greedy, filtered=filtered, in_step=in_step)
         if self.max_drafts and not self.device_drafter:  # a host drafter follows every step, γ = 0 ones too
             with phase("catch_up"):
                 before = self.seq_lens[slots] - na - 1  # (B,) the lengths before the step
