@@ -176,11 +176,18 @@ def test_lossless_triton_backend(ckpt):
 def test_lossless_compiled(ckpt):
     """compile=True: the block forward, the verify (its tap rows) and the catch-up (the context K/V writes) run in
     the step's one graph (docs/DESIGN.md §12). Compile takes the torch backend, so plain decoding is on the CPU's
-    torch backend too (CUDA picks triton)."""
+    torch backend too (CUDA picks triton). Under a grammar the block is drafted first, eager, and the rest of the
+    step runs in a graph of its own, the verify's mask an input."""
+    from nano_spec import SamplingParams
+
     cpu = dict(backend="torch", device="cpu")
     llm, out = generate(ckpt, "dflash", 3, compile=True, **cpu)
     assert out == generate(ckpt, **cpu)[1]
     assert llm.runner.graph.seen and llm.runner.graph.seconds > 0
+    regex = SamplingParams(max_new_tokens=12, regex=r"[a-z ]{3,30}\.", ignore_eos=True)
+    out = [o.token_ids for o in llm.generate(PROMPTS, regex)]
+    assert out == generate(ckpt, params=regex, **cpu)[1]
+    assert [k for k in llm.runner.graph.seen if k[4][3] is not None]  # a graph made with the mask (B, K, Vw)
 
 
 def test_lossless_under_a_grammar(ckpt):
