@@ -8,9 +8,9 @@ every greedy output equals plain decoding's in the same mode (identity_base; exi
 differing prompt and token when one does not), and prints a table, the targets of the README and one JSON line.
 With --json-schema FILE every nano_spec configuration also runs under that schema ("+schema"), its outputs
 checked against plain decoding under the same schema. With --compile every nano_spec configuration also runs
-with LLM(compile=True) ("+compiled", backend torch), warmed up on the whole prompt set until a pass compiles no
-new graph (at most WARM_PASSES); each is checked against compiled plain, and compiled plain against eager plain
-in fp32 (llama.cpp and transformers too). With --vs-llama-cpp MODEL.gguf, at batch 1, llama-cpp-python decodes
+with LLM(compile=True) ("+compiled", backend torch; under the schema too, "+schema +compiled"), warmed up on the
+whole prompt set until a pass compiles no new graph (at most WARM_PASSES); each is checked against compiled plain
+(under its schema, if any), and compiled plain against eager plain in fp32 (llama.cpp and transformers too). With --vs-llama-cpp MODEL.gguf, at batch 1, llama-cpp-python decodes
 the same token ids, one prompt at a time, on a GGUF of the same base weights (docs/BENCHMARKS.md, "Beside
 llama.cpp"); with --dtype bfloat16 every engine runs in bf16, beside a bf16 GGUF. With --temperature the
 requests are sampled, and outputs are not compared. A checkpoint without an MTP head has no MTP rows.
@@ -103,11 +103,12 @@ def identity_base(config: str, fp32: bool) -> str | None:
     +schema, +compiled). Compiled plain, llama.cpp and transformers equal eager plain in fp32 only: in bf16 each
     rounds after reductions summed in its own order (the graph's fused ones, another GEMM), so logits can differ
     by one bf16 step and a near tie can flip (docs/DESIGN.md §12): there they are compared with nothing."""
-    if config in ("plain +compiled", "llama.cpp", "transformers"):
-        return "plain" if fp32 else None
+    schema = " +schema" if " +schema" in config else ""
+    if config in ("plain +compiled", "plain +schema +compiled", "llama.cpp", "transformers"):
+        return f"plain{schema}" if fp32 else None
     if config.endswith("+compiled"):
-        return "plain +compiled"
-    return "plain +schema" if config.endswith("+schema") else "plain"
+        return f"plain{schema} +compiled"
+    return f"plain{schema}"
 
 
 def first_difference(a, b):
@@ -313,7 +314,8 @@ def main(argv=None) -> int:
             configs += [] if args.no_ngram else [("ngram", 3)]
             engines = [Engine(model_dir, p, g, b, args) for p, g in configs]
             engines += [Engine(model_dir, p, g, b, args, schema) for p, g in configs] if schema else []
-            engines += [Engine(model_dir, p, g, b, args, compiled=True) for p, g in configs] if args.compile else []
+            engines += [Engine(model_dir, p, g, b, args, s, compiled=True) for s in ([None, schema] if schema else [None])
+                        for p, g in configs] if args.compile else []
             ids = [engines[0].llm.tokenizer.encode(p) for p in prompts]
             weight = next(engines[0].llm.model.parameters())
             dtype = str(weight.dtype).removeprefix("torch.")
@@ -328,7 +330,7 @@ def main(argv=None) -> int:
         return 2
     rows = [r for batch_rows in table.values() for r in batch_rows.values()]
     for r in rows:
-        base = table[r["batch"]]["plain +schema" if r["config"].endswith("+schema") else "plain"]
+        base = table[r["batch"]]["plain +schema" if " +schema" in r["config"] else "plain"]
         same = None if args.temperature else table[r["batch"]].get(identity_base(r["config"], dtype == "float32"))
         if same is not None and r["outputs"] != same["outputs"]:  # the premise of every speedup; an if, as
             i, j = first_difference(r["outputs"], same["outputs"])   # python -O keeps it
@@ -344,7 +346,7 @@ def main(argv=None) -> int:
         if args.temperature else "greedy"
     print(f"model {model_dir.name} in {dtype}, {len(prompts)} prompts x {args.max_new_tokens} new tokens, {decoding}, "
           f"median of {args.repeats} interleaved rounds; outputs identical to plain decoding: {identical}")
-    print("batch thr config                tokens/s  decode tok/s  wall s   CPU s    tau  speedup  step ms floor ms "
+    print("batch thr config                     tokens/s  decode tok/s  wall s   CPU s    tau  speedup  step ms floor ms "
           "overhead  notes")
     for r in rows:
         tau = f"{r['tau']:.3f}" if r["tau"] else "-"
@@ -354,18 +356,18 @@ def main(argv=None) -> int:
         if r["config"].removesuffix(" +compiled") in ("mtp γ=auto", "dflash γ=auto"):
             note += f"; steps only {r['step_speedup']:.2f}x, predicted {r['predicted_speedup']:.2f}x; " \
                     f"steps by γ {r['gamma_hist']}"
+        if " +schema" in r["config"]:  # mask: the verify's grammar masks; masked drafting is in propose
+            note = f"vs plain +schema; mask {r['mask_ms_per_step']:.3f} ms/step, compile " \
+                   f"{r['grammar_compile_s'] * 1e3:.1f} ms"
         if r["config"].endswith("+compiled"):
             note += f"; compiled {r['compile_s']:.0f} s, warm-up included"
         if r["config"] == "transformers":
             note = "no MTP in transformers; its prompt lookup refuses this stateful model"
         if r["config"] == "llama.cpp":
             note = f"llama.cpp plain decoding, the same base weights in a GGUF of {r['gguf_type']}"
-        if r["config"].endswith("+schema"):  # mask: the verify's grammar masks; masked drafting is in propose
-            note = f"vs plain +schema; mask {r['mask_ms_per_step']:.3f} ms/step, compile " \
-                   f"{r['grammar_compile_s'] * 1e3:.1f} ms"
         decode = f"{r['decode_tokens_per_s']:.1f}" if r["decode_tokens_per_s"] else "-"
         step, floor, over = (f"{r[k]:.3f}" if r.get(k) else "-" for k in ("step_ms", "floor_ms", "overhead"))
-        print(f"{r['batch']:>5} {r['threads']:>3} {r['config']:<20} {r['tokens_per_s']:>9.1f} {decode:>13} "
+        print(f"{r['batch']:>5} {r['threads']:>3} {r['config']:<25} {r['tokens_per_s']:>9.1f} {decode:>13} "
               f"{r['wall_s']:>7.2f} {r['cpu_s']:>7.2f} {tau:>6} {r['speedup']:>7.2f}x {step:>8} {floor:>8} "
               f"{over:>8}  {note}")
     print("targets (tokens/s ratios unless named)")

@@ -215,13 +215,15 @@ def test_vs_llama_cpp_refuses_an_unreadable_file_before_timing(ckpt, tmp_path, m
 
 @pytest.mark.parametrize("fp32", [True, False], ids=["fp32", "bf16"])
 def test_each_row_is_checked_against_plain_decoding_in_its_own_mode(fp32):
-    """Compiled rows against compiled plain (lossless within the mode); compiled plain, llama.cpp and transformers
-    against eager plain only in fp32, where their other summation orders cannot move a bf16 rounding; everything
+    """Compiled rows against compiled plain (lossless within the mode; under a schema, compiled plain under it);
+    compiled plain, llama.cpp and transformers against eager plain only in fp32, where their other summation orders cannot move a bf16 rounding; everything
     else against eager."""
     from nano_spec.bench import identity_base
 
     other_engine = "plain" if fp32 else None
     want = {"plain": "plain", "mtp γ=3": "plain", "llama.cpp": other_engine, "transformers": other_engine,
             "mtp γ=3 +schema": "plain +schema", "mtp γ=auto +compiled": "plain +compiled",
-            "ngram γ=3 +compiled": "plain +compiled", "plain +compiled": other_engine}
+            "ngram γ=3 +compiled": "plain +compiled", "plain +compiled": other_engine,
+            "mtp γ=3 +schema +compiled": "plain +schema +compiled",
+            "plain +schema +compiled": "plain +schema" if fp32 else None}
     assert {c: identity_base(c, fp32) for c in want} == want

@@ -228,16 +228,20 @@ def test_bench_has_the_drafter_rows(dflash_ckpt, tmp_path):
 
 
 def test_bench_compile_adds_compiled_rows_equal_to_plain(ckpt, tmp_path):
-    """--compile: beside each configuration its "+compiled" copy, outputs checked against eager plain."""
-    prompts = tmp_path / "p.jsonl"
+    """--compile: beside each configuration its "+compiled" copy, under a schema too, outputs checked against
+    plain decoding in the same mode."""
+    prompts, schema = tmp_path / "p.jsonl", tmp_path / "s.json"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["def f(x):", "x = 1"]))
+    schema.write_text(json.dumps({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}))
     rc, out, err = cli("--model", ckpt, "--prompts-file", prompts, "--max-new-tokens", 6, "--gammas", 1, "--batch", 1,
                        "--no-auto", "--no-ngram", "--no-dflash", "--repeats", 1, "--backend", "torch", "--threads", 1,
-                       "--compile", module="nano_spec.bench")
+                       "--compile", "--json-schema", schema, module="nano_spec.bench")
     assert rc == 0, err[-2000:]
     result = json.loads(out.strip().splitlines()[-1])
     rows = {r["config"]: r for r in result["rows"]}
-    assert result["identical"] is True and set(rows) == {"plain", "plain +compiled", "mtp γ=1", "mtp γ=1 +compiled"}
+    assert result["identical"] is True and set(rows) == {
+        f"{c}{mode}" for c in ("plain", "mtp γ=1") for mode in ("", " +compiled", " +schema", " +schema +compiled")}
+    assert rows["mtp γ=1 +schema +compiled"]["mask_ms_per_step"] > 0  # its steps ran with the verify's masks
     assert all(r["decode_tokens_per_s"] > 0 for r in rows.values())
     assert (rows["mtp γ=1 +compiled"]["proposer"], rows["mtp γ=1 +compiled"]["gamma"]) == ("mtp", 1)
     assert "compiled plain vs eager plain, decode tokens/s, batch 1" in out
