@@ -10,10 +10,11 @@ With --json-schema FILE every nano_spec configuration also runs under that schem
 checked against plain decoding under the same schema. With --compile every nano_spec configuration also runs
 with LLM(compile=True) ("+compiled", backend torch; under the schema too, "+schema +compiled"), warmed up on the
 whole prompt set until a pass compiles no new graph (at most WARM_PASSES); each is checked against compiled plain
-(under its schema, if any), and compiled plain against eager plain in fp32 (llama.cpp and transformers too). With --vs-llama-cpp MODEL.gguf, at batch 1, llama-cpp-python decodes
-the same token ids, one prompt at a time, on a GGUF of the same base weights (docs/BENCHMARKS.md, "Beside
-llama.cpp"); with --dtype bfloat16 every engine runs in bf16, beside a bf16 GGUF. With --temperature the
-requests are sampled, and outputs are not compared. A checkpoint without an MTP head has no MTP rows.
+(under its schema, if any), and compiled plain against eager plain in fp32 (llama.cpp and transformers too). With
+--vs-llama-cpp MODEL.gguf, at batch 1, llama-cpp-python decodes the same token ids, one prompt at a time, on a
+GGUF of the same base weights (docs/BENCHMARKS.md, "Beside llama.cpp"); with --dtype bfloat16 every engine runs
+in bf16, beside a bf16 GGUF. With --temperature the requests are sampled, and outputs are not compared. A
+checkpoint without an MTP head has no MTP rows.
 
     speedup = tokens/s / tokens/s of (eager) plain decoding at the same batch size
     tokens/s from the median wall time of the rounds; CPU seconds (all threads) beside it
@@ -100,9 +101,10 @@ def decode_ratio(table, b, a, c):
 
 def identity_base(config: str, fp32: bool) -> str | None:
     """The configuration whose greedy outputs `config`'s must equal: plain decoding in the same mode (eager,
-    +schema, +compiled). Compiled plain, llama.cpp and transformers equal eager plain in fp32 only: in bf16 each
-    rounds after reductions summed in its own order (the graph's fused ones, another GEMM), so logits can differ
-    by one bf16 step and a near tie can flip (docs/DESIGN.md §12): there they are compared with nothing."""
+    +schema, +compiled, +schema +compiled). Compiled plain, llama.cpp and transformers equal eager plain (compiled
+    plain under a schema, eager plain under it) in fp32 only: in bf16 each rounds after reductions summed in its
+    own order (the graph's fused ones, another GEMM), so logits can differ by one bf16 step and a near tie can flip
+    (docs/DESIGN.md §12): there they are compared with nothing."""
     schema = " +schema" if " +schema" in config else ""
     if config in ("plain +compiled", "plain +schema +compiled", "llama.cpp", "transformers"):
         return f"plain{schema}" if fp32 else None
@@ -314,8 +316,9 @@ def main(argv=None) -> int:
             configs += [] if args.no_ngram else [("ngram", 3)]
             engines = [Engine(model_dir, p, g, b, args) for p, g in configs]
             engines += [Engine(model_dir, p, g, b, args, schema) for p, g in configs] if schema else []
-            engines += [Engine(model_dir, p, g, b, args, s, compiled=True) for s in ([None, schema] if schema else [None])
-                        for p, g in configs] if args.compile else []
+            schemas = [None, schema] if schema else [None]
+            engines += [Engine(model_dir, p, g, b, args, s, compiled=True) for s in schemas for p, g in configs] \
+                if args.compile else []
             ids = [engines[0].llm.tokenizer.encode(p) for p in prompts]
             weight = next(engines[0].llm.model.parameters())
             dtype = str(weight.dtype).removeprefix("torch.")
@@ -346,8 +349,8 @@ def main(argv=None) -> int:
         if args.temperature else "greedy"
     print(f"model {model_dir.name} in {dtype}, {len(prompts)} prompts x {args.max_new_tokens} new tokens, {decoding}, "
           f"median of {args.repeats} interleaved rounds; outputs identical to plain decoding: {identical}")
-    print("batch thr config                     tokens/s  decode tok/s  wall s   CPU s    tau  speedup  step ms floor ms "
-          "overhead  notes")
+    print("batch thr config                     tokens/s  decode tok/s  wall s   CPU s    tau  speedup  step ms "
+          "floor ms overhead  notes")
     for r in rows:
         tau = f"{r['tau']:.3f}" if r["tau"] else "-"
         note = ""
