@@ -99,18 +99,20 @@ def decode_ratio(table, b, a, c):
     return stat_ratio(table, b, a, c, "decode_tokens_per_s")
 
 
+def eager_plain(config: str) -> str:
+    """Eager plain decoding under config's schema, if it has one: its speedup's base."""
+    return "plain +schema" if " +schema" in config else "plain"
+
+
 def identity_base(config: str, fp32: bool) -> str | None:
     """The configuration whose greedy outputs `config`'s must equal: plain decoding in the same mode (eager,
     +schema, +compiled, +schema +compiled). Compiled plain, llama.cpp and transformers equal eager plain (compiled
     plain under a schema, eager plain under it) in fp32 only: in bf16 each rounds after reductions summed in its
     own order (the graph's fused ones, another GEMM), so logits can differ by one bf16 step and a near tie can flip
     (docs/DESIGN.md §12): there they are compared with nothing."""
-    schema = " +schema" if " +schema" in config else ""
     if config in ("plain +compiled", "plain +schema +compiled", "llama.cpp", "transformers"):
-        return f"plain{schema}" if fp32 else None
-    if config.endswith("+compiled"):
-        return f"plain{schema} +compiled"
-    return f"plain{schema}"
+        return eager_plain(config) if fp32 else None
+    return eager_plain(config) + (" +compiled" if config.endswith("+compiled") else "")
 
 
 def first_difference(a, b):
@@ -333,7 +335,7 @@ def main(argv=None) -> int:
         return 2
     rows = [r for batch_rows in table.values() for r in batch_rows.values()]
     for r in rows:
-        base = table[r["batch"]]["plain +schema" if " +schema" in r["config"] else "plain"]
+        base = table[r["batch"]][eager_plain(r["config"])]
         same = None if args.temperature else table[r["batch"]].get(identity_base(r["config"], dtype == "float32"))
         if same is not None and r["outputs"] != same["outputs"]:  # the premise of every speedup; an if, as
             i, j = first_difference(r["outputs"], same["outputs"])   # python -O keeps it

@@ -41,6 +41,12 @@ def assert_unchanged(name: str, before: torch.Tensor, after: torch.Tensor):
     assert torch.equal(before, after), f"{name}: {int((before != after).sum())} elements changed"
 
 
+def masked_graphs(graph) -> list:
+    """The keys of a StepGraph's graphs made with a grammar's mask: runner.step hands the mask (B, K, Vw) as its
+    4th batched input, and a key ends with the batched inputs' shapes (None for an absent one)."""
+    return [key for key in graph.seen if key[-1][3] is not None]
+
+
 def int8_rounded(w: torch.Tensor) -> torch.Tensor:
     """w (N, K) as a drafter's int8 copy holds it: each row over 255 levels, max |w| at 127, rounded to nearest."""
     step = w.abs().amax(dim=1, keepdim=True) / 127

@@ -216,8 +216,8 @@ def test_vs_llama_cpp_refuses_an_unreadable_file_before_timing(ckpt, tmp_path, m
 @pytest.mark.parametrize("fp32", [True, False], ids=["fp32", "bf16"])
 def test_each_row_is_checked_against_plain_decoding_in_its_own_mode(fp32):
     """Compiled rows against compiled plain (lossless within the mode; under a schema, compiled plain under it);
-    compiled plain, llama.cpp and transformers against eager plain only in fp32, where their other summation orders cannot move a bf16 rounding; everything
-    else against eager."""
+    compiled plain, llama.cpp and transformers against eager plain only in fp32, where their other summation
+    orders cannot move a bf16 rounding; everything else against eager."""
     from nano_spec.bench import identity_base
 
     other_engine = "plain" if fp32 else None

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from helpers import int8_rounded, load_script, tiny_checkpoint
+from helpers import int8_rounded, load_script, masked_graphs, tiny_checkpoint
 from nano_spec import LLM, SamplingParams
 from nano_spec.engine.graph import Compiled, bucket
 
@@ -92,7 +92,7 @@ def test_compiled_tokens_equal_eager(ckpt, proposer, gamma):
     # its mask (B, K, Vw) an input (their drafts were picked before, eager)
     kinds = {(dict(key[3])["all_greedy"], dict(key[3])["filtered"]) for key in compiled.runner.graph.seen}
     assert kinds == ({(True, False)} if gamma == "auto" else {(True, False), (False, False), (False, True)})
-    masked = [k for k in compiled.runner.graph.seen if k[4][3] is not None]
+    masked = masked_graphs(compiled.runner.graph)
     assert masked and all(compiled.runner.graph.calls[k] > 0 for k in masked)
 
 
