@@ -2,7 +2,7 @@
 
     python scripts/train_dflash.py --base DIR --out DIR [--minutes 30 | --steps N] [--block 8] [--layers 2]
                                    [--taps i,j,..] [--anchors 16] [--decay 4.0] [--corpus PATH | --data FILE..]
-                                   [--labels target|tokens] [--compile]
+                                   [--labels target|tokens] [--prefix-weights] [--compile]
 
 The drafter is the one of nano_spec/model/dflash.py (docs/DESIGN.md §13): a few Qwen3-style layers that read
 the target's residual stream after the tapped layers (--taps; default dflash.default_taps) as context
@@ -23,6 +23,9 @@ One step, on a batch of windows ids (B, T) of the corpus:
            loss = sum_j w_j * CE(p_{a+j-1}, drafter logits_j) / sum_j w_j,   w_j = exp(-(j-1) / --decay)
        Early drafts weigh most: a rejection ends the block, so a draft after it is never used.
        --labels tokens replaces p_{a+j-1} by the window's own token x_{a+j} (one-hot).
+       --prefix-weights weights each block's CE at row j also by prod_{i<j} q_i, q_i the drafter's probability
+       of the target's pick at row i (no grad): a draft counts as much as the drafts before it are likely to
+       be accepted, block by block, where w_j says so on average.
 Logged: per-position agreement argmax(drafter_j) == argmax(p_{a+j-1}) (what greedy acceptance of draft
 j needs), and the expected accepted length E[sum_j prod_{i<=j} agree_i] (a cheap proxy for tau - 1).
 
@@ -137,13 +140,25 @@ def target_rows(model, ids, layer_ids):
         return taps, model.hidden(ids, layer_ids, taps)
 
 
-def block_loss(model, drafter, ids, taps, anchors, labels, weights):
+def prefix_accepted(logp: torch.Tensor, picks: torch.Tensor) -> torch.Tensor:
+    """logp (B, n, Bk-1, V) the drafter's log-probabilities, picks (B, n, Bk-1) the target's tokens -> (B, n, Bk-1):
+    row j holds prod_{i<j} q_i, q_i = exp(logp_i[picks_i]), the drafter's chance that drafts 1 .. j-1 are all
+    accepted (row 1: 1), no grad."""
+    q = logp.detach().gather(-1, picks[..., None])[..., 0].exp()                 # (B, n, Bk-1)
+    return torch.cat([torch.ones_like(q[..., :1]), q[..., :-1].cumprod(-1)], dim=-1)
+
+
+def block_loss(model, drafter, ids, taps, anchors, labels, weights, prefix: bool = False):
     """The drafter's part of a step (what --compile compiles): its blocks at anchors (B, n) -> (loss, CE per draft
-    position (Bk-1,), its top-1 per draft row (B, n, Bk-1)); labels (B, n, Bk-1, V) are what draft row j learns."""
+    position (Bk-1,), its top-1 per draft row (B, n, Bk-1)); labels (B, n, Bk-1, V) are what draft row j learns.
+    prefix (--prefix-weights): each block's CE at row j is also weighted by prefix_accepted, so a draft whose
+    earlier drafts would be rejected weighs little (it would never be used)."""
     h = stacked_draft(drafter, model.model.embed_tokens, ids, taps, anchors)[:, :, 1:]
     logits = (model.logits(h) * (drafter.cfg.output_multiplier * model.cfg.logits_scaling)).float()  # (B, n, Bk-1, V)
-    ce = -(labels * logits.log_softmax(-1)).sum(-1).mean((0, 1))                # (Bk-1,)
-    return (weights * ce).sum(), ce.detach(), logits.argmax(-1)
+    logp = logits.log_softmax(-1)
+    ce = -(labels * logp).sum(-1)                                                # (B, n, Bk-1)
+    weighted = (prefix_accepted(logp, labels.argmax(-1)) * ce if prefix else ce).mean((0, 1))
+    return (weights * weighted).sum(), ce.detach().mean((0, 1)), logits.argmax(-1)
 
 
 def losses(model, drafter, batch, args, gen: torch.Generator, cache: TargetCache | None = None, idx=None,
@@ -166,7 +181,8 @@ def losses(model, drafter, batch, args, gen: torch.Generator, cache: TargetCache
     labels = p
     if args.labels == "tokens":  # the window's own next tokens, one-hot (the target's samples, in sampled data)
         labels = torch.zeros_like(p).scatter_(-1, batch[:, 1:].gather(1, where).view(B, n, Bk - 1, 1), 1.0)
-    loss, ce, top = block_loss(model, drafter, ids, taps, anchors, labels, position_weights(Bk, args.decay, ids.device))
+    loss, ce, top = block_loss(model, drafter, ids, taps, anchors, labels, position_weights(Bk, args.decay, ids.device),
+                                   args.prefix_weights)
     agree = (top == p.argmax(-1)).float()                                        # (B, n, Bk-1)
     return loss, ce, agree.mean((0, 1)), agree.cumprod(-1).sum(-1).mean()
 
@@ -213,6 +229,8 @@ def parse_args(argv=None):
                     help="target layers whose residual the drafter reads, e.g. 1,3 (default: spread evenly)")
     ap.add_argument("--anchors", type=size, default=16, help="blocks per window and step (random anchors)")
     ap.add_argument("--decay", type=positive, default=4.0, help="draft j's loss weight is exp(-(j-1)/decay)")
+    ap.add_argument("--prefix-weights", action="store_true",
+                    help="weight each block's draft j also by the drafter's chance that drafts 1..j-1 are accepted")
     ap.add_argument("--corpus", type=existing_path,
                     help="a text file or directory (default: the Python standard library)")
     ap.add_argument("--max-files", type=size, default=None, help="stdlib corpus: only the first N training files")

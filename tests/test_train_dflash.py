@@ -99,7 +99,7 @@ def loss_inputs(model_seed: int):
     from helpers import tiny_model
 
     model = tiny_model(seed=model_seed).requires_grad_(False)
-    args = SimpleNamespace(seq_len=13, anchors=3, first_anchor=2, labels="target", decay=2.0)
+    args = SimpleNamespace(seq_len=13, anchors=3, first_anchor=2, labels="target", decay=2.0, prefix_weights=False)
     return load_script("train_dflash"), model, DFlashConfig.for_target(model.cfg, num_layers=1, block_size=3), args
 
 
@@ -148,6 +148,41 @@ def test_compiled_block_loss_equals_eager():
     names = ["loss", "ce", "agree", "accept"] + [n for n, _ in drafter.named_parameters()]
     for name, ref, got in zip(names, *runs):
         assert_close(name, ref, got, atol=1e-5)
+
+
+def test_prefix_weights_count_a_draft_by_the_chance_its_prefix_is_accepted():
+    """--prefix-weights: the loss is sum_j w_j mean_blocks(prod_{i<j} q_i * CE_j), q_i the drafter's probability of the
+    target's pick at row i, held constant: loss and gradients equal that sum written out block by block."""
+    script, model, _, args = loss_inputs(model_seed=6)
+    dcfg = DFlashConfig.for_target(model.cfg, num_layers=1, block_size=4)  # three rows: a prefix of two
+    batch = torch.randint(1, model.cfg.vocab_size, (2, 14), generator=torch.Generator().manual_seed(7))
+    ids, anchors = batch[:, :13], torch.tensor([[2, 5, 9], [3, 4, 8]])
+    taps, y = script.target_rows(model, ids, dcfg.target_layer_ids)
+    where = (anchors[:, :, None] + torch.arange(3)).flatten(1)
+    labels = model.logits(y[torch.arange(2)[:, None], where]).softmax(-1).view(2, 3, 3, -1)  # (B, n, Bk-1, V)
+    w = script.position_weights(4, args.decay)
+    runs = []
+    for prefix in (True, False):
+        drafter = init_weights(DFlashModel(dcfg, model.ops), std=0.2, seed=1)
+        loss = script.block_loss(model, drafter, ids, taps, anchors, labels, w, prefix)[0]
+        loss.backward()
+        runs.append([loss, *(p.grad for p in drafter.parameters())])
+    # the reference: the drafter's rows again, each block's weights as plain numbers
+    drafter = init_weights(DFlashModel(dcfg, model.ops), std=0.2, seed=1)
+    h = script.stacked_draft(drafter, model.model.embed_tokens, ids, taps, anchors)[:, :, 1:]
+    logp = (model.logits(h) * (dcfg.output_multiplier * model.cfg.logits_scaling)).log_softmax(-1)
+    ref = 0.0
+    for b in range(2):
+        for k in range(3):
+            chance = 1.0
+            for j in range(3):
+                ref = ref + w[j] * chance * -(labels[b, k, j] * logp[b, k, j]).sum() / 6
+                chance *= logp[b, k, j, labels[b, k, j].argmax()].exp().item()
+    ref.backward()
+    names = ["loss"] + [n for n, _ in drafter.named_parameters()]
+    for name, want, got in zip(names, [ref, *(p.grad for p in drafter.parameters())], runs[0]):
+        assert_close(name, want, got, atol=1e-6)
+    assert not torch.allclose(runs[0][0], runs[1][0])  # the weights change the loss: rows 2 and 3 count less
 
 
 def test_compile_flag_compiles_the_training_steps(trained, tmp_path, monkeypatch):
