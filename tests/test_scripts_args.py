@@ -253,7 +253,7 @@ def test_corpus_it_cannot_use_is_one_line(headless, tmp_path):
                          ids=["train", "train_mtp", "train_dflash"])
 def test_nan_minutes_end_at_once(argv):
     """`--minutes nan` trained forever (no comparison with NaN is true); now it is refused as the user runs it."""
-    rc, _, err = run(*argv, timeout=60)
+    rc, _, err = run(*argv)  # a run that trained forever would meet the timeout: the test still fails
     assert_one_line_error(rc, err, "minutes: must be a finite number > 0, got 'nan'")
 
 
