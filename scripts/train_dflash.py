@@ -182,7 +182,7 @@ def losses(model, drafter, batch, args, gen: torch.Generator, cache: TargetCache
     if args.labels == "tokens":  # the window's own next tokens, one-hot (the target's samples, in sampled data)
         labels = torch.zeros_like(p).scatter_(-1, batch[:, 1:].gather(1, where).view(B, n, Bk - 1, 1), 1.0)
     loss, ce, top = block_loss(model, drafter, ids, taps, anchors, labels, position_weights(Bk, args.decay, ids.device),
-                                   args.prefix_weights)
+                               args.prefix_weights)
     agree = (top == p.argmax(-1)).float()                                        # (B, n, Bk-1)
     return loss, ce, agree.mean((0, 1)), agree.cumprod(-1).sum(-1).mean()
 
