@@ -13,15 +13,21 @@ Speculation pays when the tokens a step yields grow faster than its cost. Both a
 
 γ ranges over the drafter's budgets: every γ in 0..γ_max, or for a block drafter (one forward drafts the whole
 block, whatever γ) only 0, 1, 3, 7, .. and γ_max (`block_budgets`): each γ is another verify shape, so another
-kernel specialisation or graph, and a probe that costs a step. Every PROBE-th step tries a neighbour of the best
-γ instead (and, in turn, γ = 0), so the costs around the choice stay measured. Output does not depend on γ: every
-choice is lossless. Plain host arithmetic; no tensors.
+kernel specialisation or graph, and a probe that costs a step. Every PROBE-th step is a probe's turn: a neighbour
+of the best γ (the one below, the one above, then γ = 0, in turn) runs instead, so the costs around the choice stay
+measured; but one predicted more than MARGIN behind the best runs only once it has gone STALE steps unmeasured.
+A probe costs more than its γ's tokens: the step runs another graph and the next one comes back to the first
+(on a CPU the switch alone costs the probe 0.2-0.5 ms, docs/BENCHMARKS.md), so a choice won by a margin is
+checked now and then, not every few steps. Output does not depend on γ: every choice is lossless. Plain host
+arithmetic; no tensors.
 """
 from collections import Counter
 from itertools import accumulate
 from operator import mul
 
-PROBE = 6                    # one step in PROBE tries a neighbour (γ*-1, γ*+1, then 0, in turn)
+PROBE = 6                    # one step in PROBE is a probe's turn (γ*-1, γ*+1, then 0, in turn)
+MARGIN = 0.1                 # a probe predicted within MARGIN of γ*'s speedup runs at each of its turns;
+STALE = 96                   # one further behind, once STALE steps have passed since its γ was measured
 PRIOR_ACCEPT = (0.8, 0.75)   # a_1, then a_j for j > 1, as PRIOR_WEIGHT pseudo-trials
 PRIOR_WEIGHT = 4.0
 MIN_SECONDS = 1e-9           # the floor of a measured step: costs divide speedups
@@ -63,6 +69,7 @@ class DraftPlanner:
         self.seen = {}                   # (class, γ >= 1) -> Decayed seconds
         self.line = {}                   # class -> decayed [Σw, Σwγ, Σwγ², Σwt, Σwγt] of γ >= 1 steps
         self.steps, self.hist = 0, Counter()
+        self.measured = {}               # (class, γ) -> self.steps at its last measured step
         self.pred_time = self.pred_weighted = 0.0
 
     # ---- the model -----------------------------------------------------------------------
@@ -110,7 +117,10 @@ class DraftPlanner:
         self.steps += 1
         if self.steps % PROBE == 0:
             turn = (self.steps // PROBE) % 3
-            best = min(max(0, best - 1 if turn == 0 else best + 1 if turn == 1 else 0), n - 1)
+            probe = self.budgets[min(max(0, best - 1 if turn == 0 else best + 1 if turn == 1 else 0), n - 1)]
+            if (s[probe] >= (1 - MARGIN) * s[self.budgets[best]]
+                    or self.steps - self.measured.get((B.bit_length(), probe), -STALE) >= STALE):
+                return probe
         return self.budgets[best]
 
     def observe_step(self, B: int, gamma: int, seconds: float, drafter_seconds: float, results: list):
@@ -128,6 +138,7 @@ class DraftPlanner:
             self.line[c] = [self.keep_cost * a + b for a, b in zip(
                 self.line.get(c, (0.0,) * 5), (1.0, gamma, gamma * gamma, per_seq, gamma * per_seq))]
         self.hist[gamma] += 1
+        self.measured[c, gamma] = self.steps
         self.pred_time += seconds
         self.pred_weighted += self.speedups(B, bare=True)[gamma] * seconds
         k = self.keep_accept
