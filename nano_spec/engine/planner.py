@@ -16,9 +16,8 @@ block, whatever γ) only 0, 1, 3, 7, .. and γ_max (`block_budgets`): each γ is
 kernel specialisation or graph, and a probe that costs a step. Every PROBE-th step is a probe's turn: a neighbour
 of the best γ (the one below, the one above, then γ = 0, in turn) runs instead, so the costs around the choice stay
 measured; but one predicted more than MARGIN behind the best runs only once it has gone STALE steps unmeasured.
-A probe costs more than its γ's tokens: the step runs another graph and the next one comes back to the first
-(on a CPU the switch alone costs the probe 0.2-0.5 ms, docs/BENCHMARKS.md), so a choice won by a margin is
-checked now and then, not every few steps. Output does not depend on γ: every choice is lossless. Plain host
+A probe also costs a switch: its step runs another graph and the next one comes back (0.2-0.5 ms a switch on a
+CPU, docs/BENCHMARKS.md "Auto's probes"), so a choice won by a margin is checked now and then, not every few steps. Output does not depend on γ: every choice is lossless. Plain host
 arithmetic; no tensors.
 """
 from collections import Counter
