@@ -126,8 +126,8 @@ def test_a_close_neighbour_is_probed_at_its_turns_a_far_one_when_stale():
 
 
 def test_a_new_batch_size_class_probes_at_once():
-    """Costs are kept by batch-size class: γ = 0, measured in the last five steps at B = 4, is unmeasured at B = 8 and runs at
-    its first turn there although the priors put it far behind."""
+    """Costs are kept by batch-size class: γ = 0, measured in the last five steps at B = 4, is unmeasured at
+    B = 8 and runs at its first turn there although the priors put it far behind."""
     p = DraftPlanner(4, keep_accept=0.99)
     cost = lambda g: 1.0 + 0.3 * g  # noqa: E731
     feed(p, 4, cost, (0.95,) * 4, 300)

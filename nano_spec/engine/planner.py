@@ -17,8 +17,8 @@ kernel specialisation or graph, and a probe that costs a step. Every PROBE-th st
 of the best γ (the one below, the one above, then γ = 0, in turn) runs instead, so the costs around the choice stay
 measured; but one predicted more than MARGIN behind the best runs only once it has gone STALE steps unmeasured.
 A probe also costs a switch: its step runs another graph and the next one comes back (0.2-0.5 ms a switch on a
-CPU, docs/BENCHMARKS.md "Auto's probes"), so a choice won by a margin is checked now and then, not every few steps. Output does not depend on γ: every choice is lossless. Plain host
-arithmetic; no tensors.
+CPU, docs/BENCHMARKS.md "Auto's probes"), so a choice won by a margin is checked now and then, not every few
+steps. Output does not depend on γ: every choice is lossless. Plain host arithmetic; no tensors.
 """
 from collections import Counter
 from itertools import accumulate
