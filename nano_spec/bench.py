@@ -16,8 +16,10 @@ GGUF of the same base weights (docs/BENCHMARKS.md, "Beside llama.cpp"); with --d
 in bf16, beside a bf16 GGUF. With --temperature the requests are sampled, and outputs are not compared. A
 checkpoint without an MTP head has no MTP rows.
 
-    speedup = tokens/s / tokens/s of (eager) plain decoding at the same batch size
     tokens/s from the median wall time of the rounds; CPU seconds (all threads) beside it
+    speedup = tokens/s / tokens/s of (eager) plain decoding at the same batch size, round by round, the median
+        (paired: the rounds interleave the configurations, so a round's two times were taken close together on
+        a machine whose speed drifts between rounds); the targets' tokens/s ratios are paired the same way
     step speedup = the same ratio over the step phases only (no prefill): what the planner predicts
     decode tokens/s = (tokens - prompts) / decode seconds: the tokens after each prompt's first, over the
         step phases (nano_spec: the median over rounds, as for step speedup; llama.cpp: from each prompt's
@@ -85,9 +87,14 @@ TARGETS = (
 )
 
 
+def paired(a: dict, c: dict) -> float:
+    """Row a's tokens/s over row c's: the median over rounds of the ratio within each round."""
+    return statistics.median(a["tokens"] / wa / (c["tokens"] / wc) for wa, wc in zip(a["rounds_s"], c["rounds_s"]))
+
+
 def ratio(table, b, a, c):
     rows = table.get(b, {})
-    return rows[a]["tokens_per_s"] / rows[c]["tokens_per_s"] if a in rows and c in rows else None
+    return paired(rows[a], rows[c]) if a in rows and c in rows else None
 
 
 def stat_ratio(table, b, a, c, key):
@@ -342,7 +349,7 @@ def main(argv=None) -> int:
             print(f"error: greedy outputs differ from {same['config']}: {r['config']} at batch {r['batch']}, "
                   f"prompt {i}, token {j}", file=sys.stderr)
             return 1
-        r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"]
+        r["speedup"] = paired(r, base)
         r["step_speedup"] = base["steps_s"] / r["steps_s"] if r["steps_s"] else None
     also = ", and that, llama.cpp and transformers to eager plain" if dtype == "float32" else ""
     identical = "not compared: a drafter's steps draw their own random numbers" if args.temperature else \
@@ -375,7 +382,7 @@ def main(argv=None) -> int:
         print(f"{r['batch']:>5} {r['threads']:>3} {r['config']:<25} {r['tokens_per_s']:>9.1f} {decode:>13} "
               f"{r['wall_s']:>7.2f} {r['cpu_s']:>7.2f} {tau:>6} {r['speedup']:>7.2f}x {step:>8} {floor:>8} "
               f"{over:>8}  {note}")
-    print("targets (tokens/s ratios unless named)")
+    print("targets (tokens/s ratios, paired by round, unless named)")
     for name, goal, measure_ in TARGETS:
         value = measure_(table)
         shown = "not measured" if value is None else f"{value:.2f} ({'met' if value >= goal else 'not met'})"

@@ -179,6 +179,20 @@ def test_bench_samples_requests(ckpt, tmp_path, capsys):
     assert "--temperature" in err and len(err.strip().splitlines()) == 1, err
 
 
+def test_bench_ratios_pair_the_rounds():
+    """A machine that slows down mid-run, between the two rows' second rounds: two of three rounds say the first row
+    is twice as fast; the ratio of the rows' median rounds (3 s against 2.5 s) would call it the slower."""
+    from nano_spec.bench import paired, ratio
+
+    fast = {"tokens": 100, "rounds_s": [1.0, 3.0, 3.0]}
+    slow = {"tokens": 100, "rounds_s": [2.0, 2.5, 6.0]}
+    assert paired(fast, slow) == pytest.approx(2.0)  # per round 2.0, 0.83, 2.0
+    assert ratio({1: {"a": fast, "c": slow}}, 1, "a", "c") == pytest.approx(2.0)
+    assert ratio({1: {"a": fast}}, 1, "a", "c") is None and ratio({}, 8, "a", "c") is None
+    short = {"tokens": 50, "rounds_s": [1.0, 1.0, 1.0]}  # half the tokens in the same time
+    assert paired(short, {"tokens": 100, "rounds_s": [1.0, 1.0, 1.0]}) == pytest.approx(0.5)
+
+
 def test_bench_plot_writes_a_png(ckpt, tmp_path, capsys):
     pytest.importorskip("matplotlib")
     from nano_spec.bench import main
