@@ -17,9 +17,8 @@ in bf16, beside a bf16 GGUF. With --temperature the requests are sampled, and ou
 checkpoint without an MTP head has no MTP rows.
 
     tokens/s from the median wall time of the rounds; CPU seconds (all threads) beside it
-    speedup = tokens/s / tokens/s of (eager) plain decoding at the same batch size, round by round, the median
-        (paired: the rounds interleave the configurations, so a round's two times were taken close together on
-        a machine whose speed drifts between rounds); the targets' tokens/s ratios are paired the same way
+    speedup = tokens/s / tokens/s of (eager) plain decoding at the same batch size, the median of each round's own
+        ratio (a round's two times lie close together on a machine that drifts); the targets' ratios too
     step speedup = the same ratio over the step phases only (no prefill): what the planner predicts
     decode tokens/s = (tokens - prompts) / decode seconds: the tokens after each prompt's first, over the
         step phases (nano_spec: the median over rounds, as for step speedup; llama.cpp: from each prompt's
