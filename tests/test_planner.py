@@ -110,12 +110,19 @@ def run(planner, B, cost, accept, steps, seed=0):
     return picks
 
 
-def test_a_close_neighbour_is_probed_at_its_turns_a_far_one_when_stale():
-    """γ = 4 wins; γ = 3 is 5 % behind (probed at each of its turns, every 3 PROBE steps), γ = 0 half (only once
-    STALE steps have passed since it ran)."""
+def strong_at_b4():
+    """A planner that has seen 300 steps at B = 4 where drafts pass at 0.95 and a step costs 1 + 0.3 γ (γ = 4
+    wins), and that cost."""
     p = DraftPlanner(4, keep_accept=0.99)
     cost = lambda g: 1.0 + 0.3 * g  # noqa: E731
     feed(p, 4, cost, (0.95,) * 4, 300)
+    return p, cost
+
+
+def test_a_close_neighbour_is_probed_at_its_turns_a_far_one_when_stale():
+    """γ = 4 wins; γ = 3 is 5 % behind (probed at each of its turns, every 3 PROBE steps), γ = 0 half (only once
+    STALE steps have passed since it ran)."""
+    p, cost = strong_at_b4()
     s = p.speedups(4)
     assert s[3] > (1 - MARGIN) * s[4] > s[0]
     n = 960  # several STALE windows
@@ -128,18 +135,14 @@ def test_a_close_neighbour_is_probed_at_its_turns_a_far_one_when_stale():
 def test_a_new_batch_size_class_probes_at_once():
     """Costs are kept by batch-size class: γ = 0, measured in the last five steps at B = 4, is unmeasured at
     B = 8 and runs at its first turn there although the priors put it far behind."""
-    p = DraftPlanner(4, keep_accept=0.99)
-    cost = lambda g: 1.0 + 0.3 * g  # noqa: E731
-    feed(p, 4, cost, (0.95,) * 4, 300)
+    p, cost = strong_at_b4()
     s = p.speedups(8)
     assert s[0] < (1 - MARGIN) * max(s)
     assert 0 in run(p, 8, cost, (0.95,) * 4, 3 * PROBE)
 
 
 def test_decay_follows_a_change():
-    p = DraftPlanner(4, keep_accept=0.99)
-    cost = lambda g: 1.0 + 0.3 * g  # noqa: E731
-    feed(p, 4, cost, (0.95,) * 4, 300)
+    p, cost = strong_at_b4()
     assert p.choose(4) == 4
     feed(p, 4, cost, (0.05,) * 4, 300, seed=1)  # the proposer stops being right
     assert [p.choose(4) for _ in range(PROBE)].count(0) >= PROBE - 1  # all but the probe
